@@ -1,0 +1,53 @@
+// Writing GGUF v3 files, streaming: tensor data is never held in memory as a whole.
+//
+// Usage: set metadata, declare every tensor (name, type, shape) in the order it will be
+// written, then begin(), then write_tensor_data() the bytes of each tensor in that order
+// (in as many pieces as you like), then finish(). Output goes to "<path>.tmp" (one per
+// part) and is renamed into place only by a successful finish(); a writer destroyed
+// without finish() removes its temporary files. The bytes are a pure function of the
+// inputs (deterministic). With split_max_bytes or split_max_tensors set, the output is
+// "<stem>-0000K-of-0000N.gguf" parts with llama.cpp gguf-split's split.* keys.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gguf/ggml_types.h"
+#include "gguf/gguf_value.h"
+#include "util/status.h"
+
+namespace dsv4::gguf {
+
+struct WriterOptions {
+  uint64_t alignment = 32;          // written as general.alignment when not 32
+  uint64_t split_max_bytes = 0;     // 0 = no limit
+  uint64_t split_max_tensors = 0;   // 0 = no limit
+  bool overwrite = false;           // refuse to replace an existing output otherwise
+};
+
+class GgufWriter {
+ public:
+  GgufWriter(std::string path, WriterOptions opts = {});
+  ~GgufWriter();  // removes temporaries unless finish() succeeded
+  GgufWriter(const GgufWriter&) = delete;
+  GgufWriter& operator=(const GgufWriter&) = delete;
+
+  void set(std::string key, Value value);  // replaces an earlier value of the key
+  Status add_tensor(std::string name, GgmlType type, std::vector<uint64_t> ne);
+
+  Status begin();
+  Status write_tensor_data(std::span<const uint8_t> bytes);
+  Status finish();
+
+  // Paths of the files finish() produced (one, or the split parts).
+  const std::vector<std::string>& output_paths() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsv4::gguf

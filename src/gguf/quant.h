@@ -1,0 +1,33 @@
+// CPU arithmetic on the GGUF element types: dequantise, quantise, dot products.
+// One implementation per type, shared by the converter, the loader and the CPU backend
+// (and used as the reference the CUDA kernels are checked against).
+// `n` is always a number of elements and a multiple of the type's block size.
+#pragma once
+
+#include <cstdint>
+
+#include "gguf/ggml_types.h"
+
+namespace dsv4 {
+
+// Every type with GgmlTypeTraits::supported (F32, F16, BF16, Q8_0, Q2_K..Q6_K, IQ2_XXS,
+// MXFP4, I32 as integers converted to float).
+void dequantize_row(GgmlType type, const void* src, float* dst, int64_t n);
+
+// Types we can produce from f32: F32, F16, BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4.
+// Bit-compatible with ggml's reference quantisers (quantize_row_*_ref) where ggml has one.
+bool can_quantize(GgmlType type);
+void quantize_row(GgmlType type, const float* src, void* dst, int64_t n);
+
+// Dot product of one stored row with f32 activations, accumulated in f32 with the weights
+// decoded exactly: the reference numerics (the "fp32 test mode" of the fixtures).
+float dot_row_f32(GgmlType type, const void* row, const float* x, int64_t n);
+
+// Fast path: the activations are first quantised once per row-set (ggml's Q8_0 / Q8_K
+// activation blocks) and the products run in integers. Slightly different numerics;
+// used by the CPU backend's fast mode and the benchmarks.
+GgmlType dot_activation_type(GgmlType weight_type);  // Q8_0, Q8_K, or F32 (no quantised path)
+void quantize_activations(GgmlType act_type, const float* x, void* dst, int64_t n);
+float dot_row_quantized(GgmlType weight_type, const void* row, const void* act, int64_t n);
+
+}  // namespace dsv4

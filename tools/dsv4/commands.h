@@ -1,0 +1,23 @@
+// Each `dsv4` subcommand lives in its own cmd_<name>.cpp and registers itself here.
+// A command returns the process exit code (see docs/CLI.md for their meaning).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace dsv4::cli {
+
+// Exit codes shared by every command.
+enum ExitCode : int {
+  kExitOk = 0,
+  kExitFailure = 1,      // the operation failed (bad file, model error, I/O)
+  kExitUsage = 2,        // invalid command line
+  kExitInterrupted = 130,
+};
+
+using CommandRunner = std::function<int()>;
+
+// Adds the subcommand's options to `app` and returns the function to run when chosen.
+
+}  // namespace dsv4::cli

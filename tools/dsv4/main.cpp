@@ -1,0 +1,33 @@
+// dsv4: the command-line entry point. Each subcommand is defined in its own file.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  using namespace dsv4::cli;
+  CLI::App app{"dsv4 " DSV4_VERSION ": DeepSeek-V4 inference engine"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string(DSV4_VERSION));
+
+  std::map<CLI::App*, CommandRunner> runners;
+  auto add = [&](const char* name, const char* help, auto register_fn) {
+    CLI::App* sub = app.add_subcommand(name, help);
+    register_fn(*sub, runners[sub]);
+  };
+  // One line per subcommand (each defined in cmd_<name>.cpp, declared in commands.h).
+  (void)add;
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  for (auto& [sub, run] : runners)
+    if (sub->parsed() && run) return run();
+  return kExitUsage;
+}
