@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "util/status.h"
@@ -94,6 +95,7 @@ struct ModelConfig {
   uint32_t nope_dims() const { return head_dim - rope.dims; }
   uint32_t hc_dim() const { return (2 + hc_mult) * hc_mult; }   // 24 mix logits per site
   uint32_t compressor_overlap(uint32_t block) const { return ratio(block) == 4 ? 2 : 1; }
+  std::string_view architecture() const;  // general.architecture: "deepseek4" / "deepseek41"
 
   // Checks internal consistency (ratios vs layer count, divisibility the kernels need,
   // ranges); the message names the field and both values.
