@@ -1,0 +1,35 @@
+// Built-in model geometries: `tiny` (the fixture's shapes with the real vocabulary; the
+// built-in default model), `small` (a mid-size model for CPU benchmarks) and `flash`
+// (DeepSeek-V4-Flash exactly, spec §1.1). `dsv4 synth` and `dsv4 info --preset` use them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "gguf/ggml_types.h"
+#include "model/config.h"
+#include "util/status.h"
+
+namespace dsv4 {
+
+struct Preset {
+  std::string_view name;
+  std::string_view description;
+  ModelConfig config;
+  GgmlType default_expert_type;  // routed-expert stacks
+  GgmlType default_dense_type;   // every other matrix
+};
+
+std::span<const std::string_view> preset_names();  // "tiny", "small", "flash"
+Result<Preset> find_preset(std::string_view name);  // error lists the known names
+
+ModelConfig tiny_config();
+ModelConfig small_config();
+ModelConfig flash_config();
+
+// Keeps the first `n_layers` trunk layers (and the MTP blocks), for benchmarks that
+// compare per-layer cost on the full geometry. Hash layers beyond the cut are dropped.
+Result<ModelConfig> keep_first_layers(const ModelConfig& config, uint32_t n_layers);
+
+}  // namespace dsv4
