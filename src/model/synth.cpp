@@ -1,0 +1,347 @@
+#include "model/synth.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numbers>
+
+#include "gguf/gguf_value.h"
+#include "gguf/gguf_writer.h"
+#include "gguf/quant.h"
+#include "text/builtin_tokenizer.h"
+#include "text/tokenizer_json.h"
+#include "util/thread_pool.h"
+
+namespace dsv4 {
+namespace {
+
+// ---- Counter-based random numbers (same values on every platform and thread count) ----
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t hash_name(std::string_view s) {  // FNV-1a
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+
+uint64_t mix(uint64_t a, uint64_t b) { return splitmix64(a ^ splitmix64(b)); }
+
+class RowRng {
+ public:
+  explicit RowRng(uint64_t key) : state_(key) {}
+  uint64_t next() { return splitmix64(state_++); }
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  float normal() {
+    if (has_spare_) {
+      has_spare_ = false;
+      return spare_;
+    }
+    const double u1 = 1.0 - uniform();  // (0, 1]
+    const double u2 = uniform();
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    spare_ = static_cast<float>(r * std::sin(2 * std::numbers::pi * u2));
+    has_spare_ = true;
+    return static_cast<float>(r * std::cos(2 * std::numbers::pi * u2));
+  }
+
+ private:
+  uint64_t state_;
+  float spare_ = 0;
+  bool has_spare_ = false;
+};
+
+// A uniform draw in [lo, hi) fixed by a key (for per-block scale factors).
+double keyed_uniform(uint64_t key, double lo, double hi) {
+  return lo + (hi - lo) * static_cast<double>(splitmix64(key) >> 11) * 0x1.0p-53;
+}
+
+// ---- The fixture's recipe ----
+
+struct RowContext {
+  const ModelConfig& c;
+  const TensorSpec& spec;
+  uint64_t tensor_key;
+};
+
+void fill_normal(RowRng& rng, float* out, uint64_t n, float mean, float stddev) {
+  for (uint64_t i = 0; i < n; ++i) out[i] = mean + stddev * rng.normal();
+}
+
+// N(0,1)/sqrt(fan_in) times 2^U(-1,1) per 128x128 block, as the fixture's FP8 linears.
+void fill_dense_linear(const RowContext& ctx, uint64_t row, float* out, double fan_in) {
+  const uint64_t n = ctx.spec.ne[0];
+  RowRng rng(mix(ctx.tensor_key, row));
+  const float base = static_cast<float>(1.0 / std::sqrt(fan_in));
+  for (uint64_t col0 = 0; col0 < n; col0 += 128) {
+    const uint64_t block_key = mix(mix(ctx.tensor_key ^ 0xb10c, row / 128), col0 / 128);
+    const float scale = base * static_cast<float>(std::exp2(keyed_uniform(block_key, -1, 1)));
+    for (uint64_t col = col0; col < std::min(n, col0 + 128); ++col) out[col] = scale * rng.normal();
+  }
+}
+
+// Routed experts: N/sqrt(in) times 2^U(-0.5,0.5) per (row, 32 columns). Experts 3 and 7 of
+// every 8 get gains 3.5 and 5 (gate/up x gain, down / gain^2) so the SwiGLU clamp triggers.
+void fill_expert_row(const RowContext& ctx, uint64_t row, float* out) {
+  const uint64_t n = ctx.spec.ne[0], rows_per_expert = ctx.spec.ne[1];
+  const uint64_t expert = row / rows_per_expert;
+  RowRng rng(mix(ctx.tensor_key, row));
+  float gain = 1.0f;
+  if (expert % 8 == 3) gain = 3.5f;
+  if (expert % 8 == 7) gain = 5.0f;
+  const bool down = ctx.spec.block_kind == BlockTensor::FfnDownExps;
+  const float factor = down ? 1.0f / (gain * gain) : gain;
+  const float base = factor / std::sqrt(static_cast<float>(n));
+  for (uint64_t col0 = 0; col0 < n; col0 += 32) {
+    const uint64_t group_key = mix(mix(ctx.tensor_key ^ 0x9e0, row), col0 / 32);
+    const float scale = base * static_cast<float>(std::exp2(keyed_uniform(group_key, -0.5, 0.5)));
+    for (uint64_t col = col0; col < std::min(n, col0 + 32); ++col) out[col] = scale * rng.normal();
+  }
+}
+
+// Hash routing: the first k entries of a random permutation of the experts.
+void fill_tid2eid_row(const RowContext& ctx, uint64_t row, float* out) {
+  const uint32_t n_experts = ctx.c.n_experts;
+  std::vector<uint32_t> perm(n_experts);
+  for (uint32_t i = 0; i < n_experts; ++i) perm[i] = i;
+  RowRng rng(mix(ctx.tensor_key, row));
+  const uint64_t k = ctx.spec.ne[0];
+  for (uint64_t i = 0; i < k; ++i) {
+    const uint64_t j = i + rng.next() % (n_experts - i);
+    std::swap(perm[i], perm[j]);
+    out[i] = static_cast<float>(perm[i]);
+  }
+}
+
+void fill_row(const RowContext& ctx, uint64_t row, float* out) {
+  const ModelConfig& c = ctx.c;
+  const TensorSpec& spec = ctx.spec;
+  const uint64_t n = spec.ne[0];
+  const double D = c.hidden;
+  const double hc_in = static_cast<double>(c.hidden) * c.hc_mult;
+  RowRng rng(mix(ctx.tensor_key, row));
+
+  if (spec.global_kind) {
+    switch (*spec.global_kind) {
+      case GlobalTensor::TokenEmbd: return fill_normal(rng, out, n, 0, 1);
+      case GlobalTensor::Output: return fill_normal(rng, out, n, 0, 1 / std::sqrt(D));
+      case GlobalTensor::OutputNorm: return fill_normal(rng, out, n, 1, 0.1f);
+      case GlobalTensor::OutputHcFn: return fill_normal(rng, out, n, 0, 1.5 / std::sqrt(hc_in));
+      case GlobalTensor::OutputHcBase: return fill_normal(rng, out, n, 0, 0.5f);
+      case GlobalTensor::OutputHcScale: return fill_normal(rng, out, n, 0.5f, 0.1f);
+    }
+  }
+
+  using BT = BlockTensor;
+  switch (*spec.block_kind) {
+    case BT::AttnNorm:
+    case BT::AttnQANorm:
+    case BT::AttnKvNorm:
+    case BT::CompressorNorm:
+    case BT::IndexerCompressorNorm:
+    case BT::FfnNorm:
+    case BT::NextnEnorm:
+    case BT::NextnHnorm:
+    case BT::NextnSharedHeadNorm:
+      return fill_normal(rng, out, n, 1, 0.1f);
+    case BT::AttnSinks:
+      return fill_normal(rng, out, n, 0, 1);
+    case BT::AttnQA:
+    case BT::AttnQB:
+    case BT::AttnKv:
+    case BT::AttnOutputA:
+      return fill_dense_linear(ctx, row, out, static_cast<double>(n));
+    case BT::AttnOutputB:
+      fill_dense_linear(ctx, row, out, static_cast<double>(n));
+      for (uint64_t i = 0; i < n; ++i) out[i] *= 2;
+      return;
+    case BT::FfnGateShexp:
+    case BT::FfnUpShexp:
+      // Large enough that some shared-expert pre-activations exceed the clamp.
+      fill_dense_linear(ctx, row, out, static_cast<double>(n));
+      for (uint64_t i = 0; i < n; ++i) out[i] *= 3;
+      return;
+    case BT::FfnDownShexp:
+      fill_dense_linear(ctx, row, out, static_cast<double>(n));
+      for (uint64_t i = 0; i < n; ++i) out[i] /= 9;
+      return;
+    case BT::NextnEhProj:
+      // Two side-by-side D-input projections (embedding half, hidden half).
+      return fill_dense_linear(ctx, row, out, D);
+    case BT::IndexerQB: {
+      // Heads come in pairs, head 2j+1 = -(head 2j) + 0.3 * own draw; otherwise the ReLU
+      // in the indexer score often zeroes every head and leaves exact ties at 0.
+      fill_dense_linear(ctx, row, out, static_cast<double>(n));
+      const uint64_t head = row / c.index_head_dim;
+      if (head % 2 == 1) {
+        std::vector<float> partner(n);
+        fill_dense_linear(ctx, row - c.index_head_dim, partner.data(), static_cast<double>(n));
+        for (uint64_t i = 0; i < n; ++i) out[i] = -partner[i] + 0.3f * out[i];
+      }
+      return;
+    }
+    case BT::CompressorKv:
+    case BT::IndexerCompressorKv:
+    case BT::IndexerProj:
+      return fill_normal(rng, out, n, 0, 1 / std::sqrt(D));
+    case BT::CompressorGate:
+    case BT::IndexerCompressorGate:
+      return fill_normal(rng, out, n, 0, 1.5 / std::sqrt(D));
+    case BT::CompressorApe:
+    case BT::IndexerCompressorApe:
+      return fill_normal(rng, out, n, 0, 0.5f);
+    case BT::HcAttnFn:
+    case BT::HcFfnFn:
+    case BT::NextnHcHeadFn:
+      return fill_normal(rng, out, n, 0, 1.5 / std::sqrt(hc_in));
+    case BT::HcAttnBase:
+    case BT::HcFfnBase:
+      // Pre/post entries 0.5 N, comb entries N: clearly asymmetric mixing matrices.
+      for (uint64_t i = 0; i < n; ++i) out[i] = (i < 2 * c.hc_mult ? 0.5f : 1.0f) * rng.normal();
+      return;
+    case BT::NextnHcHeadBase:
+      return fill_normal(rng, out, n, 0, 0.5f);
+    case BT::HcAttnScale:
+    case BT::HcFfnScale:
+    case BT::NextnHcHeadScale:
+      return fill_normal(rng, out, n, 0.5f, 0.1f);
+    case BT::FfnGateInp:
+      return fill_normal(rng, out, n, 0, 1.5 / std::sqrt(D));
+    case BT::FfnExpProbsB:
+      return fill_normal(rng, out, n, 0, 0.2f);
+    case BT::FfnTid2Eid:
+      return fill_tid2eid_row(ctx, row, out);
+    case BT::FfnGateExps:
+    case BT::FfnUpExps:
+    case BT::FfnDownExps:
+      return fill_expert_row(ctx, row, out);
+    case BT::NextnEmbedTokens:
+      return fill_normal(rng, out, n, 0, 1);
+    case BT::NextnSharedHeadHead:
+      return fill_normal(rng, out, n, 0, 1 / std::sqrt(D));
+  }
+}
+
+bool is_hc_mixer(const TensorSpec& spec) {
+  return spec.global_kind == GlobalTensor::OutputHcFn || spec.block_kind == BlockTensor::HcAttnFn ||
+         spec.block_kind == BlockTensor::HcFfnFn || spec.block_kind == BlockTensor::NextnHcHeadFn;
+}
+
+constexpr uint64_t kChunkBytes = uint64_t{32} << 20;
+constexpr uint64_t kGrainElements = 1 << 16;  // values per parallel work item, at least
+
+}  // namespace
+
+GgmlType synth_tensor_type(const TensorSpec& spec, GgmlType expert_type, GgmlType dense_type,
+                           std::string* note) {
+  if (spec.type_class == TypeClass::Index) return GgmlType::I32;
+  if (spec.type_class == TypeClass::Vector) return GgmlType::F32;
+  // The reference keeps the hyper-connection mixers in fp32; they are small.
+  if (is_hc_mixer(spec)) return GgmlType::F32;
+  const GgmlType want = spec.role == TensorRole::RoutedExperts ? expert_type : dense_type;
+  if (ggml_row_bytes(want, spec.ne[0])) return want;
+  const GgmlType fallback = ggml_row_bytes(GgmlType::Q8_0, spec.ne[0]) ? GgmlType::Q8_0 : GgmlType::F32;
+  if (note)
+    *note = fmt::format("{}: row length {} is not a multiple of {}'s block size {}; written as {}",
+                        spec.name, spec.ne[0], ggml_type_name(want), ggml_traits(want).block_elems,
+                        ggml_type_name(fallback));
+  return fallback;
+}
+
+std::vector<const TensorSpec*> synth_tensor_list(const TensorCatalog& catalog) {
+  std::vector<const TensorSpec*> out;
+  for (const auto& spec : catalog.tensors)
+    if (spec.block_kind != BlockTensor::NextnEmbedTokens &&
+        spec.block_kind != BlockTensor::NextnSharedHeadHead)
+      out.push_back(&spec);
+  return out;
+}
+
+void synth_rows(const ModelConfig& config, const TensorSpec& spec, uint64_t seed, uint64_t row,
+                uint64_t n_rows, float* out) {
+  const RowContext ctx{config, spec, mix(seed, hash_name(spec.name))};
+  for (uint64_t r = 0; r < n_rows; ++r) fill_row(ctx, row + r, out + r * spec.ne[0]);
+}
+
+Result<SynthReport> write_synthetic_model(const std::string& path, const SynthOptions& opts) {
+  const ModelConfig& c = opts.config;
+  DSV4_TRY(c.validate());
+  for (GgmlType t : {opts.expert_type, opts.dense_type})
+    if (!can_quantize(t))
+      return Status::errorf("synth: cannot produce {} weights (producible: f32, f16, bf16, q8_0, "
+                            "q2_K, q3_K, q4_K, q5_K, q6_K, mxfp4)", ggml_type_name(t));
+
+  gguf::WriterOptions wopts;
+  wopts.overwrite = opts.overwrite;
+  gguf::GgufWriter writer(path, wopts);
+  c.write_gguf_metadata(writer);
+  if (!opts.preset_name.empty()) writer.set(std::string(kSynthPresetKey), gguf::Value::string(opts.preset_name));
+  writer.set(std::string(kSynthSeedKey), gguf::Value::u64(opts.seed));
+  writer.set(std::string(kSynthVersionKey), gguf::Value::u32(kSynthVersion));
+  if (opts.write_tokenizer) {
+    text::TokenizerJsonOptions topts;
+    topts.min_vocab_size = c.vocab_size;
+    DSV4_TRY(text::write_tokenizer_metadata(text::builtin_tokenizer_json(), "built-in tokenizer.json",
+                                            writer, topts));
+  }
+
+  const TensorCatalog catalog = build_tensor_catalog(c);
+  const std::vector<const TensorSpec*> specs = synth_tensor_list(catalog);
+  SynthReport report;
+  std::vector<GgmlType> types;
+  for (const TensorSpec* spec : specs) {
+    std::string note;
+    types.push_back(synth_tensor_type(*spec, opts.expert_type, opts.dense_type, &note));
+    if (!note.empty()) report.notes.push_back(std::move(note));
+    DSV4_TRY(writer.add_tensor(spec->name, types.back(), spec->ne));
+  }
+  DSV4_TRY(writer.begin());
+
+  ThreadPool& pool = opts.pool ? *opts.pool : ThreadPool::global();
+  std::vector<std::vector<float>> scratch(pool.size());
+  std::vector<uint8_t> chunk;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const TensorSpec& spec = *specs[i];
+    const GgmlType type = types[i];
+    const uint64_t n = spec.ne[0];
+    const uint64_t row_bytes = *ggml_row_bytes(type, n);
+    const uint64_t n_rows = spec.n_elements() / n;
+    const uint64_t rows_per_chunk = std::max<uint64_t>(1, kChunkBytes / row_bytes);
+    const RowContext ctx{c, spec, mix(opts.seed, hash_name(spec.name))};
+    for (uint64_t row0 = 0; row0 < n_rows; row0 += rows_per_chunk) {
+      const uint64_t rows = std::min(rows_per_chunk, n_rows - row0);
+      chunk.resize(rows * row_bytes);
+      pool.parallel_for(static_cast<int64_t>(rows), [&](int64_t begin, int64_t end, int thread) {
+        std::vector<float>& values = scratch[thread];
+        values.resize(n);
+        for (int64_t r = begin; r < end; ++r) {
+          fill_row(ctx, row0 + r, values.data());
+          uint8_t* dst = chunk.data() + r * row_bytes;
+          if (type == GgmlType::I32) {
+            for (uint64_t k = 0; k < n; ++k) {
+              const int32_t v = static_cast<int32_t>(values[k]);
+              std::memcpy(dst + 4 * k, &v, 4);
+            }
+          } else {
+            quantize_row(type, values.data(), dst, static_cast<int64_t>(n));
+          }
+        }
+      }, std::max<int64_t>(1, static_cast<int64_t>(kGrainElements / n)));
+      DSV4_TRY(writer.write_tensor_data(chunk));
+      report.data_bytes += chunk.size();
+    }
+    ++report.n_tensors;
+    if (opts.on_progress) opts.on_progress(i + 1, specs.size(), report.data_bytes);
+  }
+  DSV4_TRY(writer.finish());
+  return report;
+}
+
+}  // namespace dsv4
