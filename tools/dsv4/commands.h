@@ -19,5 +19,6 @@ enum ExitCode : int {
 using CommandRunner = std::function<int()>;
 
 // Adds the subcommand's options to `app` and returns the function to run when chosen.
+void register_tokenize(CLI::App& app, CommandRunner& run);  // cmd_tokenize.cpp
 
 }  // namespace dsv4::cli

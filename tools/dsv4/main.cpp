@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   };
   // One line per subcommand (each defined in cmd_<name>.cpp, declared in commands.h).
   (void)add;
+  add("tokenize", "Turn text into token ids (development tool)", register_tokenize);
 
   try {
     app.parse(argc, argv);
