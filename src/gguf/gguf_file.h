@@ -17,6 +17,10 @@
 #include "gguf/gguf_value.h"
 #include "util/status.h"
 
+namespace dsv4 {
+class MappedFile;
+}
+
 namespace dsv4::gguf {
 
 inline constexpr uint32_t kMagic = 0x46554747;  // "GGUF" little-endian
@@ -48,6 +52,9 @@ class GgufFile {
   // `path` may name a single file or any part "*-0000K-of-0000N.gguf" of a split set;
   // all N parts are then opened and their tensors merged.
   static Result<GgufFile> open(const std::string& path, OpenOptions opts = {});
+  // Parses a GGUF image held in memory (a copy is kept); `name` stands in for the path in
+  // messages. Split sets cannot be followed from memory: only this part's tensors are seen.
+  static Result<GgufFile> open_bytes(std::string name, std::span<const uint8_t> bytes, OpenOptions opts = {});
 
   GgufFile(GgufFile&&) noexcept;
   GgufFile& operator=(GgufFile&&) noexcept;
@@ -81,6 +88,7 @@ class GgufFile {
  private:
   struct Impl;
   explicit GgufFile(std::unique_ptr<Impl> impl);
+  static Result<GgufFile> open_parts(MappedFile file, OpenOptions opts);
   std::unique_ptr<Impl> impl_;
 };
 
