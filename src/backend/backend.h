@@ -57,6 +57,11 @@ struct Tensor {
   Tensor at(int64_t index) const;
   // The same memory as contiguous [rows, cols] (requires contiguous rows).
   Tensor as_matrix(int64_t rows, int64_t cols) const;
+  // Columns [begin, begin+count) of a plain-typed matrix (rows keep their stride).
+  Tensor columns(int64_t begin, int64_t count) const;
+  // A plain-typed [rows, cols] view starting `element_offset` elements in, with rows
+  // `row_stride_elements` apart (interleaved layouts such as a concatenation).
+  Tensor view(int64_t element_offset, int64_t rows, int64_t cols, int64_t row_stride_elements) const;
 };
 
 // Makes a contiguous tensor descriptor (no memory) of the given type and shape.
@@ -115,6 +120,8 @@ class Backend {
                       const RopeParams& p, bool inverse) = 0;
   // y += x (same shape).
   virtual Status add(const Tensor& x, const Tensor& y) = 0;
+  // x *= factor, in place.
+  virtual Status scale(const Tensor& x, float factor) = 0;
 
   // --- DeepSeek-V4 operations ---------------------------------------------------------
   // mHC collapse (spec §2.3) from the raw mix logits m = fn . flatten(X) (F32 [S, 24]):

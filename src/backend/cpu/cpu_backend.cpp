@@ -205,6 +205,15 @@ Status CpuBackend::add(const Tensor& x, const Tensor& y) {
   return Status::ok();
 }
 
+Status CpuBackend::scale(const Tensor& x, float factor) {
+  DSV4_TRY(expect(x, "scale", "x", GgmlType::F32, -1, -1));
+  for (int64_t s = 0; s < x.rows(); ++s) {
+    float* o = f32_row(x, s);
+    for (int64_t i = 0; i < x.cols(); ++i) o[i] *= factor;
+  }
+  return Status::ok();
+}
+
 // ---- hyper-connections ------------------------------------------------------------------
 
 Status CpuBackend::hc_pre(const Tensor& streams, const Tensor& mixes, const Tensor& scale,

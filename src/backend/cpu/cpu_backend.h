@@ -32,6 +32,7 @@ class CpuBackend final : public Backend {
   Status rope(const Tensor& x, int64_t head_dim, const Tensor& positions, const RopeParams& p,
               bool inverse) override;
   Status add(const Tensor& x, const Tensor& y) override;
+  Status scale(const Tensor& x, float factor) override;
 
   Status hc_pre(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
                 const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps,

@@ -64,6 +64,24 @@ Tensor Tensor::as_matrix(int64_t n_rows, int64_t n_cols) const {
   return t;
 }
 
+Tensor Tensor::columns(int64_t begin, int64_t count) const {
+  Tensor t = *this;
+  t.shape[rank - 1] = count;
+  t.data = static_cast<uint8_t*>(data) + begin * stride[rank - 1];
+  return t;
+}
+
+Tensor Tensor::view(int64_t element_offset, int64_t n_rows, int64_t n_cols,
+                    int64_t row_stride_elements) const {
+  const int64_t elem = static_cast<int64_t>(ggml_traits(type).block_bytes);
+  Tensor t = *this;
+  t.rank = 2;
+  t.shape = {n_rows, n_cols, 0, 0};
+  t.stride = {row_stride_elements * elem, elem, 0, 0};
+  t.data = static_cast<uint8_t*>(data) + element_offset * elem;
+  return t;
+}
+
 Tensor make_descriptor(GgmlType type, std::span<const int64_t> shape) {
   Tensor t;
   t.type = type;

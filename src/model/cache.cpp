@@ -1,0 +1,63 @@
+#include "model/cache.h"
+
+#include <fmt/format.h>
+
+namespace dsv4 {
+namespace {
+constexpr uint64_t kF32 = 4;
+}
+
+Result<CachePlan> CachePlan::compute(const ModelConfig& config, uint64_t context, bool with_mtp) {
+  if (context == 0 || context > config.context_length)
+    return Status::errorf("cache plan: context {} outside [1, {}] (the model's context length)",
+                          context, config.context_length);
+  // The layout gives the structure (window slots, entries per ratio, fp32 compressor
+  // states); the reference numerics store every vector as fp32.
+  const CacheLayout layout = plan_cache_layout(config, CacheFormat::ReferenceBf16);
+  CachePlan p;
+  p.context = context;
+  const uint64_t entry = uint64_t{config.head_dim} * kF32, key = uint64_t{config.index_head_dim} * kF32;
+  for (const BlockCache& b : layout.blocks) {
+    if (config.is_mtp(b.block) && !with_mtp) continue;
+    p.windows += uint64_t{b.window_slots} * entry;
+    p.compressor_states += b.compressor_state_bytes + b.indexer_state_bytes;
+    if (b.kind == AttentionKind::CSA) {
+      p.csa_entries += b.entries(context) * entry;
+      p.index_keys += b.entries(context) * key;
+    } else if (b.kind == AttentionKind::HCA) {
+      p.hca_entries += b.entries(context) * entry;
+    }
+  }
+  return p;
+}
+
+std::string CachePlan::describe() const {
+  return fmt::format(
+      "cache for {} tokens: windows {} B, compressor states {} B, CSA entries {} B, "
+      "indexer keys {} B, HCA entries {} B, total {} B",
+      context, windows, compressor_states, csa_entries, index_keys, hca_entries, total());
+}
+
+Status CacheBudget::commit(uint64_t bytes, const std::string& what) {
+  uint64_t used = used_.load();
+  do {
+    if (used + bytes > limit_)
+      return Status::errorf("cache budget: {} needs {} more bytes, {} of {} already committed",
+                            what, bytes, used, limit_);
+  } while (!used_.compare_exchange_weak(used, used + bytes));
+  return Status::ok();
+}
+
+Sequence::~Sequence() {
+  if (budget_) budget_->release(committed_);
+}
+
+Status Sequence::commit_rows(uint32_t block, int64_t rows) {
+  const uint64_t bytes = static_cast<uint64_t>(rows) *
+                         (entry_row_bytes_ + (blocks_[block].index_keys.valid() ? key_row_bytes_ : 0));
+  if (budget_) DSV4_TRY(budget_->commit(bytes, fmt::format("block {}: {} compressed entries", block, rows)));
+  committed_ += bytes;
+  return Status::ok();
+}
+
+}  // namespace dsv4

@@ -1,0 +1,154 @@
+#include "model/weights.h"
+
+#include <vector>
+
+#include "gguf/gguf_file.h"
+#include "gguf/quant.h"
+#include "model/tensor_catalog.h"
+
+namespace dsv4 {
+namespace {
+
+using backend::Tensor;
+
+class Loader {
+ public:
+  Loader(const gguf::GgufFile& file, backend::Backend& be) : file_(file), be_(be) {}
+
+  // A matrix in its stored type (absent optional tensors give an empty Tensor).
+  Result<Tensor> matrix(const std::string& name, bool required = true) {
+    const gguf::TensorInfo* info = file_.find_tensor(name);
+    if (!info) return missing(name, required);
+    return be_.weight(*info);
+  }
+  Result<Tensor> matrix(uint32_t block, BlockTensor t, bool required = true) {
+    return matrix(block_tensor_name(block, t), required);
+  }
+
+  // A small vector or table decoded to F32 with the stored shape.
+  Result<Tensor> vector(const std::string& name, bool required = true) {
+    const gguf::TensorInfo* info = file_.find_tensor(name);
+    if (!info) return missing(name, required);
+    std::vector<float> host(info->n_elements());
+    dequantize_row(info->type, info->data, host.data(), static_cast<int64_t>(host.size()));
+    std::vector<int64_t> shape(info->ne.rbegin(), info->ne.rend());
+    DSV4_ASSIGN_OR_RETURN(Tensor t, be_.alloc(GgmlType::F32, shape));
+    DSV4_TRY(be_.upload(t, host.data(), host.size() * sizeof(float)));
+    return t;
+  }
+  Result<Tensor> vector(uint32_t block, BlockTensor t, bool required = true) {
+    return vector(block_tensor_name(block, t), required);
+  }
+
+  // The hash-routing table as I32 [vocab, k].
+  Result<Tensor> index_table(const std::string& name) {
+    const gguf::TensorInfo* info = file_.find_tensor(name);
+    if (!info) return missing(name, true);
+    if (info->type != GgmlType::I32)
+      return Status::errorf("{}: tensor {}: type {}, expected i32", file_.path(), name,
+                            ggml_type_name(info->type));
+    std::vector<int64_t> shape(info->ne.rbegin(), info->ne.rend());
+    DSV4_ASSIGN_OR_RETURN(Tensor t, be_.alloc(GgmlType::I32, shape));
+    DSV4_TRY(be_.upload(t, info->data, info->nbytes));
+    return t;
+  }
+
+  Result<HcSite> hc_site(uint32_t block, BlockTensor fn, BlockTensor base, BlockTensor scale,
+                         bool required = true) {
+    HcSite s;
+    DSV4_ASSIGN_OR_RETURN(s.fn, matrix(block, fn, required));
+    DSV4_ASSIGN_OR_RETURN(s.base, vector(block, base, required));
+    DSV4_ASSIGN_OR_RETURN(s.scale, vector(block, scale, required));
+    return s;
+  }
+
+ private:
+  Result<Tensor> missing(const std::string& name, bool required) {
+    if (required) return Status::errorf("{}: tensor {} is missing", file_.path(), name);
+    return Tensor{};
+  }
+  const gguf::GgufFile& file_;
+  backend::Backend& be_;
+};
+
+Result<BlockWeights> load_block(Loader& l, const ModelConfig& c, uint32_t b) {
+  using T = BlockTensor;
+  BlockWeights w;
+  DSV4_ASSIGN_OR_RETURN(w.attn_norm, l.vector(b, T::AttnNorm));
+  DSV4_ASSIGN_OR_RETURN(w.sinks, l.vector(b, T::AttnSinks));
+  DSV4_ASSIGN_OR_RETURN(w.q_a, l.matrix(b, T::AttnQA));
+  DSV4_ASSIGN_OR_RETURN(w.q_a_norm, l.vector(b, T::AttnQANorm));
+  DSV4_ASSIGN_OR_RETURN(w.q_b, l.matrix(b, T::AttnQB));
+  DSV4_ASSIGN_OR_RETURN(w.kv, l.matrix(b, T::AttnKv));
+  DSV4_ASSIGN_OR_RETURN(w.kv_norm, l.vector(b, T::AttnKvNorm));
+  DSV4_ASSIGN_OR_RETURN(w.out_a, l.matrix(b, T::AttnOutputA));
+  DSV4_ASSIGN_OR_RETURN(w.out_b, l.matrix(b, T::AttnOutputB));
+  DSV4_ASSIGN_OR_RETURN(w.hc_attn, l.hc_site(b, T::HcAttnFn, T::HcAttnBase, T::HcAttnScale));
+  DSV4_ASSIGN_OR_RETURN(w.hc_ffn, l.hc_site(b, T::HcFfnFn, T::HcFfnBase, T::HcFfnScale));
+  if (c.ratio(b) != 0) {
+    DSV4_ASSIGN_OR_RETURN(w.compressor.kv, l.matrix(b, T::CompressorKv));
+    DSV4_ASSIGN_OR_RETURN(w.compressor.gate, l.matrix(b, T::CompressorGate));
+    DSV4_ASSIGN_OR_RETURN(w.compressor.ape, l.vector(b, T::CompressorApe));
+    DSV4_ASSIGN_OR_RETURN(w.compressor.norm, l.vector(b, T::CompressorNorm));
+  }
+  if (c.attention_kind(b) == AttentionKind::CSA) {
+    DSV4_ASSIGN_OR_RETURN(w.index_proj, l.matrix(b, T::IndexerProj));
+    DSV4_ASSIGN_OR_RETURN(w.index_q_b, l.matrix(b, T::IndexerQB));
+    DSV4_ASSIGN_OR_RETURN(w.index_compressor.kv, l.matrix(b, T::IndexerCompressorKv));
+    DSV4_ASSIGN_OR_RETURN(w.index_compressor.gate, l.matrix(b, T::IndexerCompressorGate));
+    DSV4_ASSIGN_OR_RETURN(w.index_compressor.ape, l.vector(b, T::IndexerCompressorApe));
+    DSV4_ASSIGN_OR_RETURN(w.index_compressor.norm, l.vector(b, T::IndexerCompressorNorm));
+  }
+  DSV4_ASSIGN_OR_RETURN(w.ffn_norm, l.vector(b, T::FfnNorm));
+  DSV4_ASSIGN_OR_RETURN(w.gate_inp, l.matrix(b, T::FfnGateInp));
+  if (c.is_hash_layer(b)) {
+    DSV4_ASSIGN_OR_RETURN(w.tid2eid, l.index_table(block_tensor_name(b, T::FfnTid2Eid)));
+  } else {
+    DSV4_ASSIGN_OR_RETURN(w.exp_probs_b, l.vector(b, T::FfnExpProbsB));
+  }
+  DSV4_ASSIGN_OR_RETURN(w.gate_exps, l.matrix(b, T::FfnGateExps));
+  DSV4_ASSIGN_OR_RETURN(w.up_exps, l.matrix(b, T::FfnUpExps));
+  DSV4_ASSIGN_OR_RETURN(w.down_exps, l.matrix(b, T::FfnDownExps));
+  DSV4_ASSIGN_OR_RETURN(w.gate_shexp, l.matrix(b, T::FfnGateShexp));
+  DSV4_ASSIGN_OR_RETURN(w.up_shexp, l.matrix(b, T::FfnUpShexp));
+  DSV4_ASSIGN_OR_RETURN(w.down_shexp, l.matrix(b, T::FfnDownShexp));
+  if (c.is_mtp(b)) {
+    DSV4_ASSIGN_OR_RETURN(w.eh_proj, l.matrix(b, T::NextnEhProj));
+    DSV4_ASSIGN_OR_RETURN(w.enorm, l.vector(b, T::NextnEnorm));
+    DSV4_ASSIGN_OR_RETURN(w.hnorm, l.vector(b, T::NextnHnorm));
+    DSV4_ASSIGN_OR_RETURN(w.head_norm, l.vector(b, T::NextnSharedHeadNorm, false));
+    DSV4_ASSIGN_OR_RETURN(w.embed, l.matrix(b, T::NextnEmbedTokens, false));
+    DSV4_ASSIGN_OR_RETURN(w.head, l.matrix(b, T::NextnSharedHeadHead, false));
+    DSV4_ASSIGN_OR_RETURN(w.hc_head, l.hc_site(b, T::NextnHcHeadFn, T::NextnHcHeadBase,
+                                               T::NextnHcHeadScale, false));
+  }
+  return w;
+}
+
+}  // namespace
+
+Result<ModelWeights> ModelWeights::load(const gguf::GgufFile& file, const ModelConfig& config,
+                                        backend::Backend& backend) {
+  DSV4_TRY(check_tensors(build_tensor_catalog(config), file.tensors(), file.path()));
+  Loader l(file, backend);
+  ModelWeights w;
+  DSV4_ASSIGN_OR_RETURN(w.token_embd, l.matrix(std::string(global_tensor_name(GlobalTensor::TokenEmbd))));
+  DSV4_ASSIGN_OR_RETURN(w.output_norm, l.vector(std::string(global_tensor_name(GlobalTensor::OutputNorm))));
+  DSV4_ASSIGN_OR_RETURN(w.output, l.matrix(std::string(global_tensor_name(GlobalTensor::Output))));
+  DSV4_ASSIGN_OR_RETURN(w.hc_head.fn, l.matrix(std::string(global_tensor_name(GlobalTensor::OutputHcFn))));
+  DSV4_ASSIGN_OR_RETURN(w.hc_head.base, l.vector(std::string(global_tensor_name(GlobalTensor::OutputHcBase))));
+  DSV4_ASSIGN_OR_RETURN(w.hc_head.scale, l.vector(std::string(global_tensor_name(GlobalTensor::OutputHcScale))));
+  for (uint32_t b = 0; b < config.n_blocks(); ++b) {
+    DSV4_ASSIGN_OR_RETURN(BlockWeights bw, load_block(l, config, b));
+    if (config.is_mtp(b)) {  // the MTP head shares the trunk's tensors unless it has its own
+      if (!bw.head_norm.valid()) bw.head_norm = w.output_norm;
+      if (!bw.embed.valid()) bw.embed = w.token_embd;
+      if (!bw.head.valid()) bw.head = w.output;
+      if (!bw.hc_head.fn.valid()) bw.hc_head = w.hc_head;
+    }
+    w.blocks.push_back(std::move(bw));
+  }
+  return w;
+}
+
+}  // namespace dsv4
