@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   // One line per subcommand (each defined in cmd_<name>.cpp, declared in commands.h).
   (void)add;
   add("tokenize", "Turn text into token ids (development tool)", register_tokenize);
+  add("info", "Describe a model file, a preset or the built-in model: config, tensors, memory plan", register_info);
+  add("synth", "Write a synthetic deepseek4 GGUF with seeded random weights", register_synth);
 
   try {
     app.parse(argc, argv);

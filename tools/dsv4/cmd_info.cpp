@@ -1,0 +1,296 @@
+// dsv4 info: what a model file (or a preset, or the built-in model) is, without loading
+// it: the config, tensor counts and bytes by type and by role, the catalog check, and the
+// memory plan (weights, and the per-sequence cache of spec §6 in both layouts).
+// Only the GGUF header is read (map_data = false), so it is instant on a 150 GB split file.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "gguf/gguf_file.h"
+#include "model/builtin_model.h"
+#include "model/cache_layout.h"
+#include "model/config.h"
+#include "model/presets.h"
+#include "model/synth.h"
+#include "model/tensor_catalog.h"
+
+namespace dsv4::cli {
+namespace {
+
+struct InfoOptions {
+  std::string file;
+  std::string preset;
+  uint64_t ctx = 0;  // 0: the model's training context
+  uint32_t layers = 0;
+  std::string expert_type;
+  std::string dense_type;
+};
+
+std::string with_commas(uint64_t n) {
+  std::string s = std::to_string(n);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+std::string bytes_both(uint64_t bytes) {
+  return fmt::format("{} ({} B)", human_bytes(static_cast<double>(bytes)), with_commas(bytes));
+}
+
+// One tensor as counted by `info`: from a file's header or from what synth would write.
+struct TensorEntry {
+  std::string name;
+  GgmlType type;
+  uint64_t nbytes;
+  std::optional<TensorRole> role;  // nullopt: not in the catalog
+};
+
+char kind_letter(AttentionKind k) {
+  return k == AttentionKind::Window ? 'W' : (k == AttentionKind::CSA ? 'C' : 'H');
+}
+
+void print_config(const ModelConfig& c) {
+  uint32_t n_window = 0, n_csa = 0, n_hca = 0;
+  std::map<uint32_t, uint32_t> hca_ratios;
+  std::string schedule;
+  for (uint32_t b = 0; b < c.n_layers; ++b) {
+    const AttentionKind k = c.attention_kind(b);
+    n_window += k == AttentionKind::Window;
+    n_csa += k == AttentionKind::CSA;
+    if (k == AttentionKind::HCA) {
+      ++n_hca;
+      ++hca_ratios[c.ratio(b)];
+    }
+    schedule += kind_letter(k);
+  }
+  std::string hca_text;
+  for (auto [ratio, n] : hca_ratios)
+    hca_text += fmt::format("{}{} at ratio {}", hca_text.empty() ? "" : ", ", n, ratio);
+  std::string mtp_schedule;
+  for (uint32_t b = c.n_layers; b < c.n_blocks(); ++b) mtp_schedule += kind_letter(c.attention_kind(b));
+
+  fmt::print("config:\n");
+  fmt::print("  vocabulary          {} tokens\n", with_commas(c.vocab_size));
+  fmt::print("  trunk               hidden {}, {} layers + {} MTP block{}, training context {}\n",
+             c.hidden, c.n_layers, c.n_mtp, c.n_mtp == 1 ? "" : "s", with_commas(c.context_length));
+  fmt::print("  attention           {} heads x {} (rope {}), q rank {}, output {} groups x rank {}, "
+             "window {}\n", c.n_heads, c.head_dim, c.rope.dims, c.q_lora_rank, c.o_groups,
+             c.o_lora_rank, c.sliding_window);
+  fmt::print("  layer kinds         {} window, {} CSA (ratio 4), {} HCA{}{}\n", n_window, n_csa, n_hca,
+             hca_text.empty() ? "" : " (", hca_text.empty() ? "" : hca_text + ")");
+  fmt::print("  schedule            {}{}{}  (W window, C CSA, H HCA)\n", schedule,
+             mtp_schedule.empty() ? "" : " | MTP ", mtp_schedule);
+  if (n_csa > 0)
+    fmt::print("  indexer             {} heads x {}, top-k {}\n", c.index_heads, c.index_head_dim,
+               c.index_topk);
+  fmt::print("  MoE                 {} experts, top-{} + {} shared, width {}, {} hash-routed "
+             "layer{}, routed scale {}, renormalised {}\n", c.n_experts, c.n_experts_used,
+             c.n_shared_experts, c.expert_ffn, c.n_hash_layers, c.n_hash_layers == 1 ? "" : "s",
+             c.routed_scale, c.norm_topk ? "yes" : "no");
+  const bool uniform_limit =
+      std::all_of(c.swiglu_limit.begin(), c.swiglu_limit.end(),
+                  [&](float x) { return x == c.swiglu_limit.front(); }) &&
+      c.swiglu_limit == c.swiglu_limit_shared;
+  if (uniform_limit)
+    fmt::print("  SwiGLU clamp        {} (routed and shared)\n", c.swiglu_limit.front());
+  else
+    fmt::print("  SwiGLU clamp        routed [{}], shared [{}]\n", fmt::join(c.swiglu_limit, ", "),
+               fmt::join(c.swiglu_limit_shared, ", "));
+  fmt::print("  hyper-connections   {} streams, {} Sinkhorn iterations, eps {}\n", c.hc_mult,
+             c.hc_sinkhorn_iters, c.hc_eps);
+  fmt::print("  rope                base {} (window layers, MTP); base {} with YaRN x{} over {} "
+             "(beta {}/{}) in compressed layers\n", c.rope.freq_base, c.rope.compress_freq_base,
+             c.rope.yarn_factor, with_commas(c.rope.yarn_original_context), c.rope.yarn_beta_fast,
+             c.rope.yarn_beta_slow);
+  fmt::print("  RMSNorm eps         {}\n", c.rms_eps);
+}
+
+uint64_t print_tensors(const std::vector<TensorEntry>& tensors, size_t n_catalog_required) {
+  struct Sum {
+    uint64_t count = 0, bytes = 0;
+  };
+  std::map<std::string, Sum> by_type;
+  std::map<int, Sum> by_role;
+  Sum all;
+  for (const auto& t : tensors) {
+    auto& ty = by_type[std::string(ggml_type_name(t.type))];
+    ++ty.count;
+    ty.bytes += t.nbytes;
+    auto& r = by_role[t.role ? static_cast<int>(*t.role) : -1];
+    ++r.count;
+    r.bytes += t.nbytes;
+    ++all.count;
+    all.bytes += t.nbytes;
+  }
+  fmt::print("tensors: {} ({} required by the catalog), {}\n", with_commas(all.count),
+             with_commas(n_catalog_required), bytes_both(all.bytes));
+  fmt::print("  by type:\n");
+  for (const auto& [name, s] : by_type)
+    fmt::print("    {:<10} {:>6}  {:>12}\n", name, s.count, human_bytes(static_cast<double>(s.bytes)));
+  fmt::print("  by role:\n");
+  for (const auto& [role, s] : by_role) {
+    const std::string name = role < 0 ? std::string("not in the catalog")
+                                      : std::string(tensor_role_name(static_cast<TensorRole>(role)));
+    fmt::print("    {:<42} {:>6}  {:>12}\n", name, s.count, human_bytes(static_cast<double>(s.bytes)));
+  }
+  return all.bytes;
+}
+
+std::string per_token_text(double bytes) {
+  if (bytes == static_cast<double>(static_cast<uint64_t>(bytes)))
+    return fmt::format("{} B", with_commas(static_cast<uint64_t>(bytes)));
+  return fmt::format("{:.2f} B", bytes);
+}
+
+void print_memory_plan(const ModelConfig& c, uint64_t weight_bytes, uint64_t ctx) {
+  const CacheLayout ref = plan_cache_layout(c, CacheFormat::ReferenceBf16);
+  const CacheLayout packed = plan_cache_layout(c, CacheFormat::Packed);
+  const CacheTotals rt = ref.totals_at(ctx), pt = packed.totals_at(ctx);
+  auto row = [](std::string_view label, const std::string& a, const std::string& b) {
+    fmt::print("    {:<34} {:>18} {:>18}\n", label, a, b);
+  };
+  auto hb = [](uint64_t x) { return human_bytes(static_cast<double>(x)); };
+  fmt::print("memory plan:\n");
+  fmt::print("  weights                              {}\n", bytes_both(weight_bytes));
+  fmt::print("  cache per sequence (spec §6):\n");
+  row("", std::string(cache_format_name(CacheFormat::ReferenceBf16)),
+      std::string(cache_format_name(CacheFormat::Packed)));
+  row("KV entry / indexer key",
+      fmt::format("{} / {} B", kv_entry_bytes(c, CacheFormat::ReferenceBf16),
+                  index_key_bytes(c, CacheFormat::ReferenceBf16)),
+      fmt::format("{} / {} B", kv_entry_bytes(c, CacheFormat::Packed),
+                  index_key_bytes(c, CacheFormat::Packed)));
+  row("growth per token", per_token_text(ref.bytes_per_token()), per_token_text(packed.bytes_per_token()));
+  row(fmt::format("fixed: windows ({} x {} slots)", c.n_blocks(), c.sliding_window), hb(rt.windows),
+      hb(pt.windows));
+  row("fixed: compressor states (fp32)", hb(rt.compressor_states), hb(pt.compressor_states));
+  fmt::print("    at {} tokens:\n", with_commas(ctx));
+  row("  CSA compressed KV", hb(rt.csa_entries), hb(pt.csa_entries));
+  row("  CSA indexer keys", hb(rt.index_keys), hb(pt.index_keys));
+  row("  HCA compressed KV", hb(rt.hca_entries), hb(pt.hca_entries));
+  row("  total", hb(rt.total()), hb(pt.total()));
+  row("  total bytes", with_commas(rt.total()), with_commas(pt.total()));
+  fmt::print("  weights + one sequence at {} tokens: {} (reference), {} (packed)\n", with_commas(ctx),
+             hb(weight_bytes + rt.total()), hb(weight_bytes + pt.total()));
+}
+
+int report_error(const Status& s) {
+  fmt::print(stderr, "dsv4 info: {}\n", s.message());
+  return kExitFailure;
+}
+
+int info_for_file(const std::string& path, uint64_t ctx) {
+  gguf::OpenOptions open;
+  open.map_data = false;
+  auto file = gguf::GgufFile::open(path, open);
+  if (!file.is_ok()) return report_error(file.status());
+  auto arch = file->get_string("general.architecture");
+  fmt::print("file: {} ({} part{}, {}, GGUF v{})\n", path, file->part_paths().size(),
+             file->part_paths().size() == 1 ? "" : "s", bytes_both(file->file_bytes()), file->version());
+  fmt::print("architecture: {}\n", arch.is_ok() ? *arch : std::string("(missing)"));
+  auto config = ModelConfig::from_gguf(*file);
+  if (!config.is_ok()) return report_error(config.status());
+  if (!config->name.empty()) fmt::print("name: {}\n", config->name);
+  if (file->find(kSynthPresetKey)) {
+    auto preset = file->get_string(kSynthPresetKey);
+    auto seed = file->get_uint(kSynthSeedKey);
+    fmt::print("synthetic: preset {}, seed {} (random weights)\n", preset.is_ok() ? *preset : "?",
+               seed.is_ok() ? std::to_string(*seed) : "?");
+  }
+  print_config(*config);
+
+  const TensorCatalog catalog = build_tensor_catalog(*config);
+  std::vector<TensorEntry> entries;
+  for (const auto& t : file->tensors()) {
+    const TensorSpec* spec = catalog.find(t.name);
+    entries.push_back({t.name, t.type, t.nbytes, spec ? std::optional(spec->role) : std::nullopt});
+  }
+  const uint64_t weight_bytes = print_tensors(entries, catalog.n_required());
+  const Status check = check_tensors(catalog, file->tensors(), path);
+  fmt::print("catalog check: {}\n", check.is_ok() ? "ok" : check.message());
+  print_memory_plan(*config, weight_bytes, ctx ? ctx : config->context_length);
+  return check.is_ok() ? kExitOk : kExitFailure;
+}
+
+int info_for_preset(const InfoOptions& o) {
+  auto preset = find_preset(o.preset);
+  if (!preset.is_ok()) return report_error(preset.status());
+  ModelConfig config = preset->config;
+  if (o.layers) {
+    auto cut = keep_first_layers(config, o.layers);
+    if (!cut.is_ok()) return report_error(cut.status());
+    config = *cut;
+  }
+  GgmlType experts = preset->default_expert_type, dense = preset->default_dense_type;
+  for (auto [text, target] : {std::pair{&o.expert_type, &experts}, std::pair{&o.dense_type, &dense}}) {
+    if (text->empty()) continue;
+    auto t = ggml_type_from_name(*text);
+    if (!t) return report_error(Status::errorf("unknown tensor type \"{}\"", *text));
+    *target = *t;
+  }
+  fmt::print("preset: {} — {}\n", preset->name, preset->description);
+  fmt::print("architecture: {}\n", config.architecture());
+  print_config(config);
+  const TensorCatalog catalog = build_tensor_catalog(config);
+  std::vector<TensorEntry> entries;
+  for (const TensorSpec* spec : synth_tensor_list(catalog)) {
+    const GgmlType type = synth_tensor_type(*spec, experts, dense, nullptr);
+    entries.push_back({spec->name, type, *ggml_row_bytes(type, spec->ne[0]) * (spec->n_elements() / spec->ne[0]),
+                       spec->role});
+  }
+  fmt::print("as `dsv4 synth` writes it (experts {}, other matrices {}):\n", ggml_type_name(experts),
+             ggml_type_name(dense));
+  const uint64_t weight_bytes = print_tensors(entries, catalog.n_required());
+  print_memory_plan(config, weight_bytes, o.ctx ? o.ctx : config.context_length);
+  return kExitOk;
+}
+
+int run_info(const InfoOptions& o) {
+  if (!o.file.empty() && !o.preset.empty()) {
+    fmt::print(stderr, "dsv4 info: give a FILE or --preset, not both\n");
+    return kExitUsage;
+  }
+  if (!o.preset.empty()) return info_for_preset(o);
+  if (o.layers || !o.expert_type.empty() || !o.dense_type.empty()) {
+    fmt::print(stderr, "dsv4 info: --layers, --experts and --dense apply to --preset only\n");
+    return kExitUsage;
+  }
+  if (!o.file.empty()) return info_for_file(o.file, o.ctx);
+  auto builtin = ensure_builtin_model([](std::string_view line) { fmt::print(stderr, "dsv4: {}\n", line); });
+  if (!builtin.is_ok()) return report_error(builtin.status());
+  fmt::print("built-in model (no FILE given)\n");
+  return info_for_file(builtin->string(), o.ctx);
+}
+
+}  // namespace
+
+void register_info(CLI::App& app, CommandRunner& run) {
+  auto o = std::make_shared<InfoOptions>();
+  app.add_option("file", o->file, "GGUF model file (any part of a split set); default: the built-in model");
+  app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, small, flash");
+  app.add_option("--ctx", o->ctx, "tokens per sequence for the cache plan (default: training context)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--layers", o->layers, "with --preset: keep the first N layers")->check(CLI::PositiveNumber);
+  app.add_option("--experts", o->expert_type, "with --preset: routed-expert type (default: the preset's)");
+  app.add_option("--dense", o->dense_type, "with --preset: type of the other matrices");
+  run = [o] { return run_info(*o); };
+}
+
+}  // namespace dsv4::cli
