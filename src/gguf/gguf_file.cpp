@@ -380,13 +380,14 @@ const Value* find_in(const std::vector<std::pair<std::string, Value>>& metadata,
 
 // Reads an optional integer split.* key; nullopt when absent.
 Result<std::optional<uint64_t>> split_key(const std::vector<std::pair<std::string, Value>>& metadata,
-                                         std::string_view key) {
+                                         std::string_view key, const std::string& path) {
   const Value* v = find_in(metadata, key);
   if (!v) return std::optional<uint64_t>{};
   if (!v->is_integer())
-    return Status::errorf("metadata key '{}': type {}, expected an integer", key, value_type_name(v->type()));
+    return Status::errorf("{}: metadata key '{}': type {}, expected an integer", path, key,
+                          value_type_name(v->type()));
   if (is_signed_type(v->type())) {
-    if (v->as_i64() < 0) return Status::errorf("metadata key '{}': negative value {}", key, v->as_i64());
+    if (v->as_i64() < 0) return Status::errorf("{}: metadata key '{}': negative value {}", path, key, v->as_i64());
     return std::optional<uint64_t>{static_cast<uint64_t>(v->as_i64())};
   }
   return std::optional<uint64_t>{v->as_u64()};
@@ -449,7 +450,7 @@ struct LoadedPart {
 // "<prefix>-%05d-of-%05d.gguf", split.no counting from 0, metadata in part 0 only).
 Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count, const OpenOptions& opts) {
   const std::string& path = given.file.path();
-  DSV4_ASSIGN_OR_RETURN(auto no, split_key(given.parsed.metadata, kSplitNoKey));
+  DSV4_ASSIGN_OR_RETURN(auto no, split_key(given.parsed.metadata, kSplitNoKey, path));
   if (!no) return Status::errorf("{}: metadata key '{}' is missing (split.count is {})", path, kSplitNoKey, count);
   if (count > kMaxSplitCount)
     return Status::errorf("{}: metadata key '{}': {} parts exceeds the limit of {}", path, kSplitCountKey, count,
@@ -478,13 +479,13 @@ Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count,
     parts.push_back(LoadedPart{std::move(file).value(), std::move(parsed)});
   }
 
-  DSV4_ASSIGN_OR_RETURN(auto total, split_key(parts[0].parsed.metadata, kSplitTensorsCountKey));
+  DSV4_ASSIGN_OR_RETURN(auto total, split_key(parts[0].parsed.metadata, kSplitTensorsCountKey, parts[0].file.path()));
   for (uint64_t i = 0; i < count; ++i) {
     const auto& md = parts[i].parsed.metadata;
     const std::string& p = parts[i].file.path();
-    DSV4_ASSIGN_OR_RETURN(auto part_no, split_key(md, kSplitNoKey));
-    DSV4_ASSIGN_OR_RETURN(auto part_count, split_key(md, kSplitCountKey));
-    DSV4_ASSIGN_OR_RETURN(auto part_total, split_key(md, kSplitTensorsCountKey));
+    DSV4_ASSIGN_OR_RETURN(auto part_no, split_key(md, kSplitNoKey, p));
+    DSV4_ASSIGN_OR_RETURN(auto part_count, split_key(md, kSplitCountKey, p));
+    DSV4_ASSIGN_OR_RETURN(auto part_total, split_key(md, kSplitTensorsCountKey, p));
     if (part_no != i)
       return Status::errorf("{}: metadata key '{}' is {}, expected {} (part {} of the set)", p, kSplitNoKey,
                             part_no ? std::to_string(*part_no) : "missing", i, i + 1);
@@ -527,7 +528,7 @@ Result<GgufFile> GgufFile::open_bytes(std::string name, std::span<const uint8_t>
 
 Result<GgufFile> GgufFile::open_parts(MappedFile file, OpenOptions opts) {
   DSV4_ASSIGN_OR_RETURN(auto parsed, parse_part(file, opts.map_data));
-  DSV4_ASSIGN_OR_RETURN(auto count, split_key(parsed.metadata, kSplitCountKey));
+  DSV4_ASSIGN_OR_RETURN(auto count, split_key(parsed.metadata, kSplitCountKey, file.path()));
   std::vector<LoadedPart> parts;
   const std::string path = file.path();
   if (opts.load_split_parts && count && *count > 1) {
