@@ -22,5 +22,6 @@ using CommandRunner = std::function<int()>;
 void register_tokenize(CLI::App& app, CommandRunner& run);  // cmd_tokenize.cpp
 void register_info(CLI::App& app, CommandRunner& run);      // cmd_info.cpp
 void register_synth(CLI::App& app, CommandRunner& run);     // cmd_synth.cpp
+void register_score(CLI::App& app, CommandRunner& run);     // cmd_score.cpp
 
 }  // namespace dsv4::cli
