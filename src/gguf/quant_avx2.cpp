@@ -1,0 +1,288 @@
+// AVX2 block decoders and f32 dot products. Each decoder produces exactly the floats of
+// quant_decode.h (same f32 operations, products kept unfused) one block at a time; the dot
+// product decodes a block into a stack buffer and accumulates x*w with FMAs in f32.
+// Without AVX2 every entry point answers false and quant.cpp's scalar reference runs.
+#include <cstring>
+
+#include "gguf/iq2xxs_tables.h"
+#include "gguf/quant_decode.h"
+#include "gguf/quant_internal.h"
+#include "util/float_formats.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define DSV4_QUANT_AVX2 1
+#endif
+
+namespace dsv4::quant {
+
+#if defined(DSV4_QUANT_AVX2)
+namespace {
+
+// The quantised bytes of a block are loaded up front rather than at a loop-dependent
+// offset: GCC 12 at -O3 rewrote such loads into a null-based address and then deleted the
+// whole decoder as unreachable (an -fdelete-null-pointer-checks miscompile).
+
+// Forces a product to be rounded on its own (see mul_unfused in quant_decode.h).
+inline __m256 mul_unfused_ps(__m256 a, __m256 b) {
+  __m256 p = _mm256_mul_ps(a, b);
+  asm("" : "+x"(p));
+  return p;
+}
+
+// 8 integers (bytes, signed or not) of `v`'s low 64 bits as floats.
+inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+// Writes 16 byte levels (signed or not) as floats: out = scale*q - offset.
+template <bool kSigned, bool kOffset>
+inline void emit16(__m128i q, float scale, float offset, float* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256 lo = kSigned ? i8x8_to_ps(q) : u8x8_to_ps(q);
+  const __m256 hi = kSigned ? i8x8_to_ps(_mm_srli_si128(q, 8)) : u8x8_to_ps(_mm_srli_si128(q, 8));
+  if constexpr (kOffset) {
+    const __m256 o = _mm256_set1_ps(offset);
+    _mm256_storeu_ps(out, _mm256_sub_ps(mul_unfused_ps(s, lo), o));
+    _mm256_storeu_ps(out + 8, _mm256_sub_ps(mul_unfused_ps(s, hi), o));
+  } else {
+    _mm256_storeu_ps(out, _mm256_mul_ps(s, lo));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(s, hi));
+  }
+}
+
+// 32 levels: the first 16 with (scale0, offset0), the last 16 with (scale1, offset1).
+template <bool kSigned, bool kOffset>
+inline void emit32(__m256i q, float scale0, float offset0, float scale1, float offset1, float* out) {
+  emit16<kSigned, kOffset>(_mm256_castsi256_si128(q), scale0, offset0, out);
+  emit16<kSigned, kOffset>(_mm256_extracti128_si256(q, 1), scale1, offset1, out + 16);
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Bits [shift, shift + width) of every byte; the shift count is a register operand because
+// it is a loop variable.
+inline __m256i bits_at(__m256i v, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+void decode(const block_q8_0& b, float* out) {
+  const __m256 d = _mm256_set1_ps(fp16_to_f32(b.d));
+  for (int k = 0; k < 4; ++k) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * k));
+    _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(i8x8_to_ps(q), d));
+  }
+}
+
+void decode(const block_mxfp4& b, float* out) {
+  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(codes, nibble));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(codes, 4), nibble));
+  const __m256 d = _mm256_set1_ps(e8m0_to_f32_half(b.e));
+  _mm256_storeu_ps(out + 0, _mm256_mul_ps(i8x8_to_ps(lo), d));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), d));
+  _mm256_storeu_ps(out + 16, _mm256_mul_ps(i8x8_to_ps(hi), d));
+  _mm256_storeu_ps(out + 24, _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), d));
+}
+
+void decode(const block_q2_K& b, float* out) {
+  const float d = fp16_to_f32(b.d), dmin = fp16_to_f32(b.dmin);
+  const __m256i qs[2] = {load32(b.qs), load32(b.qs + 32)};
+  for (int n = 0; n < 2; ++n) {
+    const __m256i bytes = qs[n];
+    for (int s = 0; s < 4; ++s) {
+      const int sb = n * 8 + s * 2;
+      const uint8_t sc0 = b.scales[sb], sc1 = b.scales[sb + 1];
+      emit32<false, true>(bits_at(bytes, 2 * s, 3), d * static_cast<float>(sc0 & 0xF), dmin * static_cast<float>(sc0 >> 4),
+                          d * static_cast<float>(sc1 & 0xF), dmin * static_cast<float>(sc1 >> 4), out + n * 128 + s * 32);
+    }
+  }
+}
+
+void decode(const block_q3_K& b, float* out) {
+  const float d = fp16_to_f32(b.d);
+  const __m256i hmask = load32(b.hmask);
+  const __m256i four = _mm256_set1_epi8(4);
+  const __m256i qs[2] = {load32(b.qs), load32(b.qs + 32)};
+  for (int n = 0; n < 2; ++n) {
+    const __m256i bytes = qs[n];
+    for (int s = 0; s < 4; ++s) {
+      const int group = n * 4 + s;  // i / 32
+      // low + 4*high - 4, in [-4, 3]
+      const __m256i high4 = _mm256_slli_epi16(bits_at(hmask, group, 1), 2);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(bits_at(bytes, 2 * s, 3), high4), four);
+      emit32<true, false>(q, d * static_cast<float>(q3_k_scale(b.scales, 2 * group)), 0.0f,
+                          d * static_cast<float>(q3_k_scale(b.scales, 2 * group + 1)), 0.0f, out + group * 32);
+    }
+  }
+}
+
+template <typename Block, bool kFifthBit>
+void decode_k4(const Block& b, float* out) {
+  const float d = fp16_to_f32(b.d), dmin = fp16_to_f32(b.dmin);
+  __m256i qh = _mm256_setzero_si256();
+  if constexpr (kFifthBit) qh = load32(b.qh);
+  const __m256i qs[4] = {load32(b.qs), load32(b.qs + 32), load32(b.qs + 64), load32(b.qs + 96)};
+  for (int n = 0; n < 4; ++n) {
+    const __m256i bytes = qs[n];
+    for (int half = 0; half < 2; ++half) {
+      const int j = 2 * n + half;
+      __m256i q = bits_at(bytes, 4 * half, 0xF);
+      if constexpr (kFifthBit) q = _mm256_or_si256(q, _mm256_slli_epi16(bits_at(qh, j, 1), 4));
+      uint8_t sc, m;
+      k4_scale_min(b.scales, j, sc, m);
+      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+      emit32<false, true>(q, dl, ml, dl, ml, out + 32 * j);
+    }
+  }
+}
+
+void decode(const block_q4_K& b, float* out) { decode_k4<block_q4_K, false>(b, out); }
+void decode(const block_q5_K& b, float* out) { decode_k4<block_q5_K, true>(b, out); }
+
+void decode(const block_q6_K& b, float* out) {
+  const float d = fp16_to_f32(b.d);
+  const __m256i bias = _mm256_set1_epi8(32);
+  const __m256i ql[4] = {load32(b.ql), load32(b.ql + 32), load32(b.ql + 64), load32(b.ql + 96)};
+  const __m256i qhs[2] = {load32(b.qh), load32(b.qh + 32)};
+  for (int n = 0; n < 2; ++n) {
+    const __m256i qh = qhs[n];
+    for (int s = 0; s < 4; ++s) {
+      const __m256i low = bits_at(ql[2 * n + s % 2], 4 * (s / 2), 0xF);
+      const __m256i high = _mm256_slli_epi16(bits_at(qh, 2 * s, 3), 4);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), bias);
+      const int sb = n * 8 + s * 2;
+      emit32<true, false>(q, d * static_cast<float>(b.scales[sb]), 0.0f, d * static_cast<float>(b.scales[sb + 1]), 0.0f,
+                          out + n * 128 + s * 32);
+    }
+  }
+}
+
+void decode(const block_iq2_xxs& b, float* out) {
+  const float d = fp16_to_f32(b.d);
+  const __m256i bit_of_lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  for (int g = 0; g < QK_K / 32; ++g) {
+    const uint32_t indices = b.qs[4 * g] | (static_cast<uint32_t>(b.qs[4 * g + 1]) << 16);
+    const uint32_t signs_scale = b.qs[4 * g + 2] | (static_cast<uint32_t>(b.qs[4 * g + 3]) << 16);
+    const __m256 db = _mm256_set1_ps(d * (0.5f + static_cast<float>(signs_scale >> 28)) * 0.25f);
+    for (int k = 0; k < 4; ++k) {
+      const __m128i grid = _mm_cvtsi64_si128(static_cast<long long>(kIq2xxsGrid[(indices >> (8 * k)) & 0xFF]));
+      const __m256i signs = _mm256_set1_epi32(kIq2xxsSigns[(signs_scale >> (7 * k)) & 127]);
+      const __m256i negate = _mm256_cmpeq_epi32(_mm256_and_si256(signs, bit_of_lane), bit_of_lane);
+      const __m256 v = _mm256_mul_ps(db, u8x8_to_ps(grid));
+      _mm256_storeu_ps(out + g * 32 + k * 8, _mm256_xor_ps(v, _mm256_and_ps(_mm256_castsi256_ps(negate), sign_bit)));
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// sum of w[i]*x[i] over `elems` (a multiple of 32) with four accumulators.
+inline void fma_block(const float* w, const float* x, int elems, __m256 acc[4]) {
+  for (int i = 0; i < elems; i += 32)
+    for (int k = 0; k < 4; ++k)
+      acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8 * k), _mm256_loadu_ps(x + i + 8 * k), acc[k]);
+}
+
+// Decodes one block at a time into a stack buffer and accumulates it against x.
+template <typename Block, int kElems>
+float dot_blocks(const void* row, const float* x, int64_t n) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  alignas(32) float w[kElems];
+  const Block* blocks = static_cast<const Block*>(row);
+  for (int64_t b = 0; b < n / kElems; ++b) {
+    decode(blocks[b], w);
+    fma_block(w, x + b * kElems, kElems, acc);
+  }
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+template <typename Block, int kElems>
+void dequant_blocks(const void* row, float* dst, int64_t n) {
+  const Block* blocks = static_cast<const Block*>(row);
+  for (int64_t b = 0; b < n / kElems; ++b) decode(blocks[b], dst + b * kElems);
+}
+
+// Plain types: 8 elements per step as floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p, bool bf16) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+float dot_plain(GgmlType type, const void* row, const float* x, int64_t n) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const bool bf16 = type == GgmlType::BF16;
+  auto at = [&](int64_t i) {
+    if (type == GgmlType::F32) return load8(static_cast<const float*>(row) + i);
+    return load8(static_cast<const uint16_t*>(row) + i, bf16);
+  };
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int k = 0; k < 4; ++k) acc[k] = _mm256_fmadd_ps(at(i + 8 * k), _mm256_loadu_ps(x + i + 8 * k), acc[k]);
+  for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(at(i), _mm256_loadu_ps(x + i), acc[0]);
+  float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  for (; i < n; ++i) {
+    const float w = type == GgmlType::F32 ? static_cast<const float*>(row)[i]
+                    : bf16                ? bf16_to_f32(static_cast<const uint16_t*>(row)[i])
+                                          : fp16_to_f32(static_cast<const uint16_t*>(row)[i]);
+    sum = __builtin_fmaf(w, x[i], sum);
+  }
+  return sum;
+}
+
+}  // namespace
+
+bool dot_row_f32_vector(GgmlType type, const void* row, const float* x, int64_t n, float* result) {
+  switch (type) {
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16: *result = dot_plain(type, row, x, n); return true;
+    case GgmlType::Q8_0: *result = dot_blocks<block_q8_0, QK8_0>(row, x, n); return true;
+    case GgmlType::MXFP4: *result = dot_blocks<block_mxfp4, QK_MXFP4>(row, x, n); return true;
+    case GgmlType::Q2_K: *result = dot_blocks<block_q2_K, QK_K>(row, x, n); return true;
+    case GgmlType::Q3_K: *result = dot_blocks<block_q3_K, QK_K>(row, x, n); return true;
+    case GgmlType::Q4_K: *result = dot_blocks<block_q4_K, QK_K>(row, x, n); return true;
+    case GgmlType::Q5_K: *result = dot_blocks<block_q5_K, QK_K>(row, x, n); return true;
+    case GgmlType::Q6_K: *result = dot_blocks<block_q6_K, QK_K>(row, x, n); return true;
+    case GgmlType::IQ2_XXS: *result = dot_blocks<block_iq2_xxs, QK_K>(row, x, n); return true;
+    default: return false;
+  }
+}
+
+bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n) {
+  switch (type) {
+    case GgmlType::BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(s + i, true));
+      for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      return true;
+    }
+    case GgmlType::Q8_0: dequant_blocks<block_q8_0, QK8_0>(src, dst, n); return true;
+    case GgmlType::MXFP4: dequant_blocks<block_mxfp4, QK_MXFP4>(src, dst, n); return true;
+    case GgmlType::Q2_K: dequant_blocks<block_q2_K, QK_K>(src, dst, n); return true;
+    case GgmlType::Q3_K: dequant_blocks<block_q3_K, QK_K>(src, dst, n); return true;
+    case GgmlType::Q4_K: dequant_blocks<block_q4_K, QK_K>(src, dst, n); return true;
+    case GgmlType::Q5_K: dequant_blocks<block_q5_K, QK_K>(src, dst, n); return true;
+    case GgmlType::Q6_K: dequant_blocks<block_q6_K, QK_K>(src, dst, n); return true;
+    case GgmlType::IQ2_XXS: dequant_blocks<block_iq2_xxs, QK_K>(src, dst, n); return true;
+    default: return false;  // F32 and F16 (exact NaN payloads) take the scalar path
+  }
+}
+
+#else  // no AVX2
+
+bool dot_row_f32_vector(GgmlType, const void*, const float*, int64_t, float*) { return false; }
+bool dequantize_row_vector(GgmlType, const void*, float*, int64_t) { return false; }
+
+#endif
+
+}  // namespace dsv4::quant

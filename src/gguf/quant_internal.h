@@ -1,0 +1,26 @@
+// Per-type entry points behind quant.h's dispatchers (not part of the public API).
+#pragma once
+
+#include <cstdint>
+
+#include "gguf/ggml_types.h"
+#include "gguf/quant_blocks.h"
+
+namespace dsv4::quant {
+
+// quant_kquants.cpp: ggml's reference K-quant quantisers (quantize_row_q*_K_ref), `nb` blocks.
+void quantize_blocks_q2_K(const float* x, block_q2_K* y, int64_t nb);
+void quantize_blocks_q3_K(const float* x, block_q3_K* y, int64_t nb);
+void quantize_blocks_q4_K(const float* x, block_q4_K* y, int64_t nb);
+void quantize_blocks_q5_K(const float* x, block_q5_K* y, int64_t nb);
+void quantize_blocks_q6_K(const float* x, block_q6_K* y, int64_t nb);
+
+// quant_avx2.cpp: AVX2 block decoders and weight-times-f32 dot products; false when `type`
+// has no vector path on this machine (the caller then uses the scalar reference).
+bool dot_row_f32_vector(GgmlType type, const void* row, const float* x, int64_t n, float* result);
+bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n);
+
+// The scalar reference dot product: decode one block into a stack buffer, f32 FMA.
+float dot_row_f32_scalar(GgmlType type, const void* row, const float* x, int64_t n);
+
+}  // namespace dsv4::quant
