@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   // One line per subcommand (each defined in cmd_<name>.cpp, declared in commands.h).
   (void)add;
   add("tokenize", "Turn text into token ids (development tool)", register_tokenize);
+  add("gguf", "Inspect or rewrite GGUF files: dump, copy (development tools)", register_gguf);
   add("info", "Describe a model file, a preset or the built-in model: config, tensors, memory plan", register_info);
   add("synth", "Write a synthetic deepseek4 GGUF with seeded random weights", register_synth);
   add("score", "Write the logits of a token sequence as a NumPy .npy file", register_score);
