@@ -249,12 +249,15 @@ class HeaderParser {
       return Status::errorf("{}: array of {} elements exceeds the limit of {} metadata values in all", what, count,
                             kMaxMetadataValues);
     values_ += count;
-    Value::Array items(static_cast<size_t>(count));
+    // Grown as elements parse, so memory follows the bytes actually present.
+    Value::Array items;
+    items.reserve(static_cast<size_t>(std::min<uint64_t>(count, 4096)));
     for (uint64_t i = 0; i < count; ++i) {
+      Value& item = items.emplace_back();
       if (et == ValueType::ARRAY || et == ValueType::STRING) {
-        DSV4_TRY(parse_value(et, depth + 1, fmt::format("{}[{}]", what, i), items[i]));
+        DSV4_TRY(parse_value(et, depth + 1, fmt::format("{}[{}]", what, i), item));
       } else {
-        DSV4_TRY(parse_value(et, depth + 1, what, items[i]));
+        DSV4_TRY(parse_value(et, depth + 1, what, item));
       }
     }
     out = Value::array(et, std::move(items));

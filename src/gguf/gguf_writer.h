@@ -6,7 +6,10 @@
 // part) and is renamed into place only by a successful finish(); a writer destroyed
 // without finish() removes its temporary files. The bytes are a pure function of the
 // inputs (deterministic). With split_max_bytes or split_max_tensors set, the output is
-// "<stem>-0000K-of-0000N.gguf" parts with llama.cpp gguf-split's split.* keys.
+// "<stem>-0000K-of-0000N.gguf" parts with llama.cpp gguf-split's split.* keys (only when
+// the limits produce more than one part; all metadata goes in the first part). The writer
+// owns general.alignment (written from WriterOptions::alignment, replacing any set value)
+// and the split.* keys (setting them is an error). See docs/GGUF.md.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +26,7 @@ namespace dsv4::gguf {
 
 struct WriterOptions {
   uint64_t alignment = 32;          // written as general.alignment when not 32
-  uint64_t split_max_bytes = 0;     // 0 = no limit
+  uint64_t split_max_bytes = 0;     // 0 = no limit; counts padded tensor data, not headers
   uint64_t split_max_tensors = 0;   // 0 = no limit
   bool overwrite = false;           // refuse to replace an existing output otherwise
 };

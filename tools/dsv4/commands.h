@@ -24,5 +24,6 @@ void register_gguf(CLI::App& app, CommandRunner& run);      // cmd_gguf.cpp
 void register_info(CLI::App& app, CommandRunner& run);      // cmd_info.cpp
 void register_synth(CLI::App& app, CommandRunner& run);     // cmd_synth.cpp
 void register_score(CLI::App& app, CommandRunner& run);     // cmd_score.cpp
+void register_quant(CLI::App& app, CommandRunner& run);     // cmd_quant.cpp
 
 }  // namespace dsv4::cli
