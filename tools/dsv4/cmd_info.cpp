@@ -82,7 +82,9 @@ void print_config(const ModelConfig& c) {
   }
   std::string hca_text;
   for (auto [ratio, n] : hca_ratios)
-    hca_text += fmt::format("{}{} at ratio {}", hca_text.empty() ? "" : ", ", n, ratio);
+    hca_text += hca_ratios.size() == 1
+                    ? fmt::format("ratio {}", ratio)
+                    : fmt::format("{}{} at ratio {}", hca_text.empty() ? "" : ", ", n, ratio);
   std::string mtp_schedule;
   for (uint32_t b = c.n_layers; b < c.n_blocks(); ++b) mtp_schedule += kind_letter(c.attention_kind(b));
 

@@ -23,6 +23,7 @@ void register_tokenize(CLI::App& app, CommandRunner& run);  // cmd_tokenize.cpp
 void register_gguf(CLI::App& app, CommandRunner& run);      // cmd_gguf.cpp
 void register_info(CLI::App& app, CommandRunner& run);      // cmd_info.cpp
 void register_synth(CLI::App& app, CommandRunner& run);     // cmd_synth.cpp
+void register_convert(CLI::App& app, CommandRunner& run);   // cmd_convert.cpp
 void register_score(CLI::App& app, CommandRunner& run);     // cmd_score.cpp
 void register_quant(CLI::App& app, CommandRunner& run);     // cmd_quant.cpp
 

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   add("gguf", "Inspect or rewrite GGUF files: dump, copy (development tools)", register_gguf);
   add("info", "Describe a model file, a preset or the built-in model: config, tensors, memory plan", register_info);
   add("synth", "Write a synthetic deepseek4 GGUF with seeded random weights", register_synth);
+  add("convert", "Convert DeepSeek's official checkpoint (safetensors FP8/FP4) to a deepseek4 GGUF", register_convert);
   add("score", "Write the logits of a token sequence as a NumPy .npy file", register_score);
   add("quant", "Quantise / dequantise raw blocks of one element type (development tool)", register_quant);
 
