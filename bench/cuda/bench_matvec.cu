@@ -1,0 +1,88 @@
+// Matrix-vector products at V4-Flash shapes for every weight type: achieved bytes/s over the
+// weight bytes against the copy and read bandwidth measured in the same run.
+//  "graph": one matvec call per matrix (activation quantisation + product), many calls
+//           replayed from a CUDA graph over rotating copies (larger than L2): decode's setting.
+//  "batched": all copies in one call (batch dimension): the kernel's steady-state rate
+//           without per-launch latency.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/matvec.h"
+#include "bench_util.cuh"
+
+using namespace dsv4;
+using namespace dsv4::cuda;
+using namespace dsv4::cuda::bench;
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int64_t n, k, groups;  // groups > 1: a grouped projection (batch of matrices, own inputs)
+};
+
+void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStream_t stream) {
+  const auto& t = ggml_traits(type);
+  const size_t matrix_bytes = *ggml_row_bytes(type, s.k) * s.n * s.groups;
+  constexpr size_t kRotateBytes = size_t{1} << 30;  // many times the 50 MB L2
+  const int64_t copies = std::max<int64_t>(2, std::min<int64_t>(4096, kRotateBytes / matrix_bytes));
+  Buffer w(matrix_bytes * copies);
+  fill_weights(type, w.p, matrix_bytes * copies, 42);
+  const int64_t batch_rows = copies * s.groups * rows;
+  Buffer x(batch_rows * s.k * sizeof(float)), y(batch_rows * s.n * sizeof(float));
+  fill_floats(x.get<float>(), batch_rows * s.k, 7);
+  MatvecWeights all{type, w.p, s.n, s.k, copies * s.groups, 0};
+  Buffer ws(std::max<size_t>(16, matvec_workspace_bytes(all, rows)));
+
+  auto one = [&](int64_t c) {
+    MatvecWeights mw{type, w.get<uint8_t>() + c * matrix_bytes, s.n, s.k, s.groups, 0};
+    check_status(matvec(mw, x.get<float>() + c * s.groups * rows * s.k, rows, y.get<float>() + c * s.groups * rows * s.n,
+                        ws.p, ws.bytes, stream),
+                 "matvec");
+  };
+  const cudaGraphExec_t graph = capture(stream, [&] {
+    for (int64_t c = 0; c < copies; ++c) one(c);
+  });
+  const double graph_us = time_us([&] { BENCH_CUDA(cudaGraphLaunch(graph, stream)); }, 3) / copies;
+  cudaGraphExecDestroy(graph);
+  const double batched_us = time_us(
+      [&] { check_status(matvec(all, x.get<float>(), rows, y.get<float>(), ws.p, ws.bytes, stream), "matvec"); }, 3) /
+      copies;
+
+  const double gbs_graph = matrix_bytes / graph_us / 1e3, gbs_batched = matrix_bytes / batched_us / 1e3;
+  const std::string name = std::string(t.name) + " " + s.name + " rows=" + std::to_string(rows);
+  char note[160];
+  std::snprintf(note, sizeof note, "%.2f MB/matrix; graph %.2f us = %.0f GB/s (%.0f%% of copy); read-bw %.0f%%",
+                matrix_bytes / 1e6, graph_us, gbs_graph, 100 * gbs_graph / bw.copy_gbs, 100 * gbs_batched / bw.read_gbs);
+  report("matvec", name + " graph", gbs_graph, "GB/s", gbs_graph / bw.copy_gbs, note);
+  std::snprintf(note, sizeof note, "%.2f us/matrix in one launch of %lld; %.0f%% of read bandwidth", batched_us,
+                static_cast<long long>(copies), 100 * gbs_batched / bw.read_gbs);
+  report("matvec", name + " batched", gbs_batched, "GB/s", gbs_batched / bw.copy_gbs, note);
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Bandwidth bw = measure_bandwidth();
+  report("bandwidth", "device-to-device copy (read+write)", bw.copy_gbs, "GB/s", 1.0, "2 GiB cudaMemcpyAsync");
+  report("bandwidth", "streaming read kernel", bw.read_gbs, "GB/s", bw.read_gbs / bw.copy_gbs, "2 GiB, uint4 loads");
+
+  const std::vector<Shape> shapes = {
+      {"4096->1024", 1024, 4096, 1},   {"1024->32768", 32768, 1024, 1}, {"4096->512", 512, 4096, 1},
+      {"8x4096->1024", 1024, 4096, 8}, {"8192->4096", 4096, 8192, 1},   {"4096->129280", 129280, 4096, 1},
+  };
+  const GgmlType types[] = {GgmlType::Q8_0, GgmlType::Q2_K,  GgmlType::Q3_K,    GgmlType::Q4_K,
+                            GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::IQ2_XXS, GgmlType::BF16};
+  for (GgmlType type : types)
+    for (const Shape& s : shapes) run(type, s, 1, bw, stream);
+  for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K})
+    for (int rows : {4, 16}) {
+      run(type, shapes[0], rows, bw, stream);
+      run(type, shapes[4], rows, bw, stream);
+    }
+  BENCH_CUDA(cudaStreamDestroy(stream));
+  return 0;
+}

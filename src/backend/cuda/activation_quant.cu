@@ -1,0 +1,64 @@
+#include "backend/cuda/activation_quant.h"
+
+#include <string>
+
+#include "backend/cuda/cuda_check.h"
+
+namespace dsv4::cuda {
+
+namespace {
+
+size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
+
+// One warp per 32 values: lane i holds element i.
+__global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t n_blocks, int8_t* __restrict__ q,
+                                   float* __restrict__ d, float* __restrict__ s16) {
+  const int64_t block = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (block >= n_blocks) return;
+  const float v = x[block * 32 + lane];
+  float amax = fabsf(v);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  const float scale = amax / 127.0f;
+  const int iq = amax > 0.0f ? __float2int_rn(v / scale) : 0;
+  q[block * 32 + lane] = static_cast<int8_t>(iq);
+  int sum = iq;
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);  // within each half-warp
+  if (lane == 0) d[block] = scale;
+  if ((lane & 15) == 0) s16[block * 2 + (lane >> 4)] = scale * static_cast<float>(sum);
+}
+
+}  // namespace
+
+size_t quantized_activations_bytes(int64_t rows, int64_t k) {
+  const size_t n = static_cast<size_t>(rows * k);
+  return align256(n) + align256(n / 32 * sizeof(float)) + align256(n / 16 * sizeof(float));
+}
+
+QuantizedActivations quantized_activations_view(void* buffer, int64_t rows, int64_t k) {
+  const size_t n = static_cast<size_t>(rows * k);
+  auto* base = static_cast<uint8_t*>(buffer);
+  QuantizedActivations v;
+  v.q = reinterpret_cast<int8_t*>(base);
+  v.d = reinterpret_cast<float*>(base + align256(n));
+  v.s16 = reinterpret_cast<float*>(base + align256(n) + align256(n / 32 * sizeof(float)));
+  v.rows = rows;
+  v.k = k;
+  return v;
+}
+
+Status quantize_activations_q8(const float* x, const QuantizedActivations& out, cudaStream_t stream) {
+  if (out.k <= 0 || out.k % 32 != 0)
+    return Status::error("quantize_activations_q8: k = " + std::to_string(out.k) + " is not a positive multiple of 32");
+  const int64_t n_blocks = out.rows * out.k / 32;
+  if (n_blocks == 0) return Status::ok();
+  constexpr int kThreads = 256;
+  const int64_t grid = (n_blocks * 32 + kThreads - 1) / kThreads;
+  quantize_q8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(x, n_blocks, out.q, out.d, out.s16);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,150 @@
+#include "backend/cuda/gemm_prefill.h"
+
+#include <string>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/matvec.h"
+#include "backend/cuda/matvec_launch.cuh"
+#include "backend/cuda/quant_units.cuh"
+
+namespace dsv4::cuda {
+
+namespace {
+
+Status cublas_status(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  return Status::error(std::string(file) + ":" + std::to_string(line) + ": " + what +
+                       " failed: " + cublasLtGetStatusString(s));
+}
+#define DSV4_CUBLAS_TRY(call) DSV4_TRY(cublas_status((call), #call, __FILE__, __LINE__))
+
+// One thread per 32 weights: decode from global memory, write 32 bf16 (four 16-byte stores).
+template <GgmlType T>
+__global__ void dequantize_bf16_kernel(const uint8_t* __restrict__ w, int64_t n, int64_t k, int64_t row_bytes,
+                                       const uint64_t* grid, const uint8_t* signs, __nv_bfloat16* __restrict__ out) {
+  using U = QuantUnit<T>;
+  const int64_t units_per_row = k / 32;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (unit >= n * units_per_row) return;
+  const int64_t row = unit / units_per_row, u = unit % units_per_row;
+  const uint8_t* blk = w + row * row_bytes + (u / U::kUnitsPerBlock) * U::kBlockBytes;
+  const Unit32 d = U::decode(blk, static_cast<int>(u % U::kUnitsPerBlock), Iq2Tables{grid, signs});
+  uint4 packed[4];
+  auto* h = reinterpret_cast<__nv_bfloat162*>(packed);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float a = i < 4 ? d.a0 : d.a1;
+    const float b = i < 4 ? d.b0 : d.b1;
+    const int q = d.q[i];
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = a * static_cast<float>(static_cast<int8_t>(q >> (8 * j))) - b;
+    h[2 * i] = __floats2bfloat162_rn(v[0], v[1]);
+    h[2 * i + 1] = __floats2bfloat162_rn(v[2], v[3]);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(out + unit * 32);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[i] = packed[i];
+}
+
+__global__ void f32_to_bf16_kernel(const float* __restrict__ x, int64_t count, __nv_bfloat16* __restrict__ out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) out[i] = __float2bfloat16_rn(x[i]);
+}
+
+template <GgmlType T>
+Status launch_dequantize(const void* w, int64_t n, int64_t k, __nv_bfloat16* out, cudaStream_t stream) {
+  const uint64_t* grid = nullptr;
+  const uint8_t* signs = nullptr;
+  if constexpr (T == GgmlType::IQ2_XXS) DSV4_TRY(detail::iq2_tables(&grid, &signs));
+  const auto& traits = ggml_traits(T);
+  const int64_t units = n * (k / 32);
+  constexpr int kThreads = 256;
+  dequantize_bf16_kernel<T><<<static_cast<unsigned>((units + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(w), n, k, static_cast<int64_t>(k / traits.block_elems * traits.block_bytes), grid,
+      signs, out);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace
+
+Status dequantize_to_bf16(GgmlType type, const void* w, int64_t n, int64_t k, __nv_bfloat16* out, cudaStream_t stream) {
+  const auto& traits = ggml_traits(type);
+  if (!matvec_supported(type) || type == GgmlType::BF16 || n <= 0 || k <= 0 || k % traits.block_elems != 0 ||
+      k % 32 != 0)
+    return Status::error("dequantize_to_bf16: type " + std::string(traits.name) + " with shape " + std::to_string(n) +
+                         " x " + std::to_string(k) + " is not supported");
+  if (reinterpret_cast<uintptr_t>(w) % 4 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
+    return Status::error("dequantize_to_bf16: weights must be 4-byte and output 16-byte aligned");
+  switch (type) {
+    case GgmlType::Q8_0: return launch_dequantize<GgmlType::Q8_0>(w, n, k, out, stream);
+    case GgmlType::Q2_K: return launch_dequantize<GgmlType::Q2_K>(w, n, k, out, stream);
+    case GgmlType::Q3_K: return launch_dequantize<GgmlType::Q3_K>(w, n, k, out, stream);
+    case GgmlType::Q4_K: return launch_dequantize<GgmlType::Q4_K>(w, n, k, out, stream);
+    case GgmlType::Q6_K: return launch_dequantize<GgmlType::Q6_K>(w, n, k, out, stream);
+    case GgmlType::MXFP4: return launch_dequantize<GgmlType::MXFP4>(w, n, k, out, stream);
+    case GgmlType::IQ2_XXS: return launch_dequantize<GgmlType::IQ2_XXS>(w, n, k, out, stream);
+    default: return Status::error("dequantize_to_bf16: unreachable type");
+  }
+}
+
+Status convert_f32_to_bf16(const float* x, int64_t count, __nv_bfloat16* out, cudaStream_t stream) {
+  if (count <= 0) return Status::ok();
+  f32_to_bf16_kernel<<<static_cast<unsigned>((count + 255) / 256), 256, 0, stream>>>(x, count, out);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfloat16* w, float* c, int64_t m,
+                 int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (m <= 0 || n <= 0 || k <= 0) return Status::error("gemm_bf16: empty shape");
+  // Column-major view: C^T (n x m) = W (k x n)^T · A^T (k x m).
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t lw = nullptr, la = nullptr, lc = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  auto cleanup = [&] {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lw) cublasLtMatrixLayoutDestroy(lw);
+    if (op) cublasLtMatmulDescDestroy(op);
+  };
+  Status st = [&]() -> Status {
+    DSV4_CUBLAS_TRY(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+    DSV4_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose));
+    DSV4_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof keep));
+    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lw, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(n), k));
+    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(m), k));
+    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, static_cast<uint64_t>(n), static_cast<uint64_t>(m), n));
+    DSV4_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref));
+    DSV4_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                         &workspace_bytes, sizeof workspace_bytes));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    DSV4_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle, op, lw, la, lc, lc, pref, 1, &result, &found));
+    if (found == 0)
+      return Status::error("gemm_bf16: cuBLASLt has no algorithm for m " + std::to_string(m) + " n " +
+                           std::to_string(n) + " k " + std::to_string(k));
+    const float alpha = 1.0f, beta = 0.0f;
+    DSV4_CUBLAS_TRY(cublasLtMatmul(handle, op, &alpha, w, lw, a, la, &beta, c, lc, c, lc, &result.algo, workspace,
+                                   workspace_bytes, stream));
+    return Status::ok();
+  }();
+  cleanup();
+  return st;
+}
+
+Status gemm_prefill(cublasLtHandle_t handle, GgmlType type, const void* w, int64_t n, int64_t k,
+                    const __nv_bfloat16* a, int64_t m, float* c, __nv_bfloat16* w_bf16, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream) {
+  const __nv_bfloat16* weights = static_cast<const __nv_bfloat16*>(w);
+  if (type != GgmlType::BF16) {
+    DSV4_TRY(dequantize_to_bf16(type, w, n, k, w_bf16, stream));
+    weights = w_bf16;
+  }
+  return gemm_bf16(handle, a, weights, c, m, n, k, workspace, workspace_bytes, stream);
+}
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,98 @@
+#include "backend/cuda/matvec.h"
+
+#include <string>
+
+#include "backend/cuda/activation_quant.h"
+#include "backend/cuda/matvec_launch.cuh"
+
+namespace dsv4::cuda {
+
+namespace {
+
+using detail::MatvecArgs;
+using detail::MatvecMode;
+
+template <class Policy>
+Status launch_rows(const MatvecArgs& a, int rows, cudaStream_t stream) {
+  const int64_t tasks = a.n_tasks;
+  if (rows <= 1) return detail::launch_matvec<Policy, 1, MatvecMode::kPlain>(a, 1, tasks, stream);
+  if (rows <= 2) return detail::launch_matvec<Policy, 2, MatvecMode::kPlain>(a, 1, tasks, stream);
+  if (rows <= 4) return detail::launch_matvec<Policy, 4, MatvecMode::kPlain>(a, 1, tasks, stream);
+  if (rows <= 8) return detail::launch_matvec<Policy, 8, MatvecMode::kPlain>(a, 1, tasks, stream);
+  return detail::launch_matvec<Policy, 16, MatvecMode::kPlain>(a, 1, tasks, stream);
+}
+
+}  // namespace
+
+bool matvec_supported(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q8_0:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q6_K:
+    case GgmlType::MXFP4:
+    case GgmlType::IQ2_XXS:
+    case GgmlType::BF16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+size_t matvec_workspace_bytes(const MatvecWeights& w, int rows) {
+  if (w.type == GgmlType::BF16) return 0;
+  return quantized_activations_bytes(w.batch * rows, w.k);
+}
+
+Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* workspace, size_t workspace_bytes,
+              cudaStream_t stream) {
+  const std::string name(ggml_type_name(w.type));
+  if (!matvec_supported(w.type)) return Status::error("matvec: weight type " + name + " is not supported");
+  if (rows < 1 || rows > kMatvecMaxRows)
+    return Status::error("matvec: " + std::to_string(rows) + " activation rows, supported 1.." +
+                         std::to_string(kMatvecMaxRows));
+  const auto& traits = ggml_traits(w.type);
+  if (w.n <= 0 || w.k <= 0 || w.batch <= 0 || w.k % traits.block_elems != 0 || w.k % 32 != 0)
+    return Status::error("matvec: shape batch " + std::to_string(w.batch) + " x n " + std::to_string(w.n) + " x k " +
+                         std::to_string(w.k) + " invalid for " + name + " (k must be a multiple of " +
+                         std::to_string(traits.block_elems) + ")");
+  if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return Status::error("matvec: weights not 16-byte aligned");
+  if (w.batch * rows > INT32_MAX / 2) return Status::error("matvec: too many activation rows");
+  const size_t need = matvec_workspace_bytes(w, rows);
+  if (workspace_bytes < need)
+    return Status::error("matvec: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
+                         std::to_string(need));
+
+  MatvecArgs a;
+  a.w[0] = static_cast<const uint8_t*>(w.data);
+  a.row_bytes = static_cast<int64_t>(w.k / traits.block_elems * traits.block_bytes);
+  a.matrix_stride = w.batch_stride_bytes != 0 ? w.batch_stride_bytes : a.row_bytes * w.n;
+  a.n = w.n;
+  a.units_per_row = static_cast<int>(w.k / 32);
+  a.n_tasks = w.batch;
+  a.act_rows = rows;
+  a.act.k = w.k;
+  a.out = y;
+  if (w.type == GgmlType::BF16) {
+    a.act.f = x;
+    return launch_rows<detail::Bf16Policy>(a, rows, stream);
+  }
+  const QuantizedActivations q = quantized_activations_view(workspace, w.batch * rows, w.k);
+  DSV4_TRY(quantize_activations_q8(x, q, stream));
+  a.act.q = q.q;
+  a.act.d = q.d;
+  a.act.s16 = q.s16;
+  switch (w.type) {
+    case GgmlType::Q8_0: return launch_rows<detail::QuantPolicy<GgmlType::Q8_0>>(a, rows, stream);
+    case GgmlType::Q2_K: return launch_rows<detail::QuantPolicy<GgmlType::Q2_K>>(a, rows, stream);
+    case GgmlType::Q3_K: return launch_rows<detail::QuantPolicy<GgmlType::Q3_K>>(a, rows, stream);
+    case GgmlType::Q4_K: return launch_rows<detail::QuantPolicy<GgmlType::Q4_K>>(a, rows, stream);
+    case GgmlType::Q6_K: return launch_rows<detail::QuantPolicy<GgmlType::Q6_K>>(a, rows, stream);
+    case GgmlType::MXFP4: return launch_rows<detail::QuantPolicy<GgmlType::MXFP4>>(a, rows, stream);
+    case GgmlType::IQ2_XXS: return launch_rows<detail::QuantPolicy<GgmlType::IQ2_XXS>>(a, rows, stream);
+    default: return Status::error("matvec: weight type " + name + " is not supported");
+  }
+}
+
+}  // namespace dsv4::cuda

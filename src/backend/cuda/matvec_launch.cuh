@@ -1,0 +1,73 @@
+// Host side of matvec_kernel.cuh: sizes the shared-memory stages for a shape and launches a
+// persistent grid. Included by the .cu files that own an operation (matvec.cu, moe_experts.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/matvec_kernel.cuh"
+
+namespace dsv4::cuda::detail {
+
+// ggml's IQ2_XXS grid and sign tables in device memory (iq2_tables.cu).
+Status iq2_tables(const uint64_t** grid, const uint8_t** signs);
+
+inline Result<int> sm_count() {
+  static int count = 0;
+  if (count == 0) {
+    int dev = 0;
+    DSV4_CUDA_TRY(cudaGetDevice(&dev));
+    DSV4_CUDA_TRY(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return count;
+}
+
+// Bytes of weights one warp stages per group: enough to keep ~2 groups in flight per warp
+// at ~16 warps per multiprocessor, well over the bandwidth-latency product.
+inline constexpr int64_t kGroupTargetBytes = 4096;
+inline constexpr int kMaxSharedBytes = 227 * 1024;
+
+// `sources`: matrices read per group (1, 2 for gate+up, top_k for the summed down product);
+// `max_tasks`: an upper bound on the tasks (the exact count may live on the device).
+template <class Policy, int NR, MatvecMode M>
+Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
+  if (a.n <= 0 || max_tasks <= 0) return Status::ok();
+  int64_t rows = std::max<int64_t>(1, kGroupTargetBytes / (sources * a.row_bytes));
+  rows = std::min(rows, a.n);
+  a.rows_per_group = static_cast<int>(rows);
+  a.row_blocks = (a.n + rows - 1) / rows;
+  a.segment_stride = static_cast<int>((rows * a.row_bytes + 15 + 15) / 16 * 16 + 16);
+  a.stage_bytes = sources * a.segment_stride;
+  const int64_t smem = (Policy::kIq2 ? kIq2TableBytes : 0) + int64_t{kWarpsPerBlock} * kStages * a.stage_bytes;
+  if (smem > kMaxSharedBytes)
+    return Status::error("matvec: rows of " + std::to_string(a.row_bytes) + " bytes x " + std::to_string(sources) +
+                         " sources need " + std::to_string(smem) + " bytes of shared memory, limit " +
+                         std::to_string(kMaxSharedBytes));
+  if constexpr (Policy::kIq2) DSV4_TRY(iq2_tables(&a.iq2_grid, &a.iq2_signs));
+
+  auto kernel = matvec_kernel<Policy, NR, M>;
+  static int64_t attribute_bytes = -1;  // per instantiation
+  static int64_t occupancy_bytes = -1;
+  static int blocks_per_sm = 0;
+  if (smem > attribute_bytes) {
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    attribute_bytes = smem;
+  }
+  if (smem != occupancy_bytes) {
+    DSV4_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kWarpsPerBlock * 32,
+                                                                static_cast<size_t>(smem)));
+    occupancy_bytes = smem;
+  }
+  DSV4_ASSIGN_OR_RETURN(const int sms, sm_count());
+  const int64_t groups = max_tasks * a.row_blocks;
+  const int64_t wanted = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{sms} * std::max(blocks_per_sm, 1)));
+  kernel<<<static_cast<unsigned>(grid), kWarpsPerBlock * 32, static_cast<size_t>(smem), stream>>>(a);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace dsv4::cuda::detail

@@ -1,0 +1,250 @@
+#include "backend/cuda/moe_experts.h"
+
+#include <algorithm>
+#include <string>
+
+#include "backend/cuda/activation_quant.h"
+#include "backend/cuda/matvec.h"
+#include "backend/cuda/matvec_launch.cuh"
+
+namespace dsv4::cuda {
+
+namespace {
+
+using detail::MatvecArgs;
+using detail::MatvecMode;
+
+constexpr int kTileRows = 8;  // tokens per expert tile on the batched path
+
+size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
+
+struct Layout {
+  size_t x_q = 0, h = 0, h_q = 0, partial = 0, pairs = 0, tiles = 0, total = 0;
+  int64_t max_tiles = 0;
+};
+
+Layout layout(const ExpertWeights& w, int64_t tokens, int top_k) {
+  Layout l;
+  const int64_t pairs = tokens * top_k;
+  const bool decode = tokens <= kMoeDecodeMaxTokens;
+  l.max_tiles = decode ? 0 : std::min(pairs, pairs / kTileRows + w.n_experts);
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += align256(bytes);
+    return here;
+  };
+  l.x_q = take(w.gate_up_type == GgmlType::BF16 ? 0 : quantized_activations_bytes(tokens, w.hidden));
+  l.h = take(static_cast<size_t>(pairs * w.ffn) * sizeof(float));
+  l.h_q = take(w.down_type == GgmlType::BF16 ? 0 : quantized_activations_bytes(pairs, w.ffn));
+  l.partial = take(decode ? 0 : static_cast<size_t>(pairs * w.hidden) * sizeof(float));
+  l.pairs = take(decode ? 0 : static_cast<size_t>(pairs) * sizeof(int));
+  l.tiles = take(decode ? 0 : static_cast<size_t>(3 * l.max_tiles + 1) * sizeof(int));
+  l.total = at;
+  return l;
+}
+
+// One block: counting sort of the (token, slot) pairs by expert, then tiles of at most
+// `tile_rows` pairs of one expert. Pair order inside an expert follows atomics and does not
+// affect any result.
+__global__ void build_tiles_kernel(const int32_t* __restrict__ ids, int pairs, int n_experts, int tile_rows,
+                                   int* __restrict__ sorted_pairs, int* __restrict__ tile_expert,
+                                   int* __restrict__ tile_first, int* __restrict__ tile_count,
+                                   int* __restrict__ n_tiles) {
+  extern __shared__ int counts[];  // [n_experts] counts, then [n_experts] offsets, [n_experts] first tile
+  int* offsets = counts + n_experts;
+  int* first_tile = offsets + n_experts;
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&counts[ids[p]], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int offset = 0, tiles = 0;
+    for (int e = 0; e < n_experts; ++e) {
+      offsets[e] = offset;
+      first_tile[e] = tiles;
+      offset += counts[e];
+      tiles += (counts[e] + tile_rows - 1) / tile_rows;
+    }
+    *n_tiles = tiles;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    for (int t = 0; t * tile_rows < counts[e]; ++t) {
+      const int tile = first_tile[e] + t;
+      tile_expert[tile] = e;
+      tile_first[tile] = offsets[e] + t * tile_rows;
+      tile_count[tile] = min(tile_rows, counts[e] - t * tile_rows);
+    }
+    counts[e] = 0;  // reused as the scatter cursor
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int e = ids[p];
+    sorted_pairs[offsets[e] + atomicAdd(&counts[e], 1)] = p;
+  }
+}
+
+// y[t][i] = sum over slots s of partial[t*top_k + s][i], slots in order.
+__global__ void sum_slots_kernel(const float* __restrict__ partial, int64_t tokens, int top_k, int64_t hidden,
+                                 float* __restrict__ y) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= tokens * hidden) return;
+  const int64_t t = idx / hidden, i = idx % hidden;
+  float s = 0.0f;
+  for (int k = 0; k < top_k; ++k) s += partial[(t * top_k + k) * hidden + i];
+  y[idx] = s;
+}
+
+template <class Policy>
+Status gate_up(const MatvecArgs& a, bool decode, int64_t max_tiles, cudaStream_t stream) {
+  if (decode) return detail::launch_matvec<Policy, 1, MatvecMode::kGateUp>(a, 2, max_tiles, stream);
+  return detail::launch_matvec<Policy, kTileRows, MatvecMode::kGateUp>(a, 2, max_tiles, stream);
+}
+
+template <class Policy>
+Status down(const MatvecArgs& a, bool decode, int64_t tasks, cudaStream_t stream) {
+  if (decode) return detail::launch_matvec<Policy, 1, MatvecMode::kDownSum>(a, a.top_k, tasks, stream);
+  return detail::launch_matvec<Policy, kTileRows, MatvecMode::kDownTiled>(a, 1, tasks, stream);
+}
+
+template <template <class> class Op, class... Args>
+Status dispatch(GgmlType type, Args&&... args) {
+  switch (type) {
+    case GgmlType::Q8_0: return Op<detail::QuantPolicy<GgmlType::Q8_0>>::run(args...);
+    case GgmlType::Q2_K: return Op<detail::QuantPolicy<GgmlType::Q2_K>>::run(args...);
+    case GgmlType::Q3_K: return Op<detail::QuantPolicy<GgmlType::Q3_K>>::run(args...);
+    case GgmlType::Q4_K: return Op<detail::QuantPolicy<GgmlType::Q4_K>>::run(args...);
+    case GgmlType::Q6_K: return Op<detail::QuantPolicy<GgmlType::Q6_K>>::run(args...);
+    case GgmlType::MXFP4: return Op<detail::QuantPolicy<GgmlType::MXFP4>>::run(args...);
+    case GgmlType::IQ2_XXS: return Op<detail::QuantPolicy<GgmlType::IQ2_XXS>>::run(args...);
+    case GgmlType::BF16: return Op<detail::Bf16Policy>::run(args...);
+    default: return Status::error("moe_experts: weight type " + std::string(ggml_type_name(type)) + " not supported");
+  }
+}
+
+template <class Policy>
+struct GateUpOp {
+  static Status run(const MatvecArgs& a, bool decode, int64_t max_tiles, cudaStream_t s) {
+    return gate_up<Policy>(a, decode, max_tiles, s);
+  }
+};
+template <class Policy>
+struct DownOp {
+  static Status run(const MatvecArgs& a, bool decode, int64_t tasks, cudaStream_t s) {
+    return down<Policy>(a, decode, tasks, s);
+  }
+};
+
+Status check_type(GgmlType type, int64_t k, const char* what) {
+  const auto& traits = ggml_traits(type);
+  if (!matvec_supported(type) || k % traits.block_elems != 0 || k % 32 != 0)
+    return Status::error(std::string("moe_experts: ") + what + " type " + std::string(traits.name) +
+                         " with rows of " + std::to_string(k) + " values is not supported");
+  return Status::ok();
+}
+
+void set_activations(MatvecArgs& a, GgmlType type, const float* f, const QuantizedActivations& q, int64_t k) {
+  a.act.k = k;
+  if (type == GgmlType::BF16) {
+    a.act.f = f;
+  } else {
+    a.act.q = q.q;
+    a.act.d = q.d;
+    a.act.s16 = q.s16;
+  }
+}
+
+}  // namespace
+
+size_t moe_experts_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k) {
+  return layout(w, tokens, top_k).total;
+}
+
+Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit,
+                   float* y, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  DSV4_TRY(check_type(w.gate_up_type, w.hidden, "gate/up"));
+  DSV4_TRY(check_type(w.down_type, w.ffn, "down"));
+  if (w.n_experts <= 0 || w.n_experts > 4096 || routing.top_k <= 0 || routing.top_k > w.n_experts)
+    return Status::error("moe_experts: " + std::to_string(routing.top_k) + " of " + std::to_string(w.n_experts) +
+                         " experts (supported: 1..4096 experts, top_k <= experts)");
+  for (const void* p : {w.gate, w.up, w.down})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return Status::error("moe_experts: weights not 16-byte aligned");
+  const int64_t tokens = routing.tokens;
+  if (tokens <= 0) return Status::ok();
+  const int64_t pairs = tokens * routing.top_k;
+  if (pairs > (int64_t{1} << 24)) return Status::error("moe_experts: " + std::to_string(pairs) + " pairs, limit 2^24");
+  const Layout l = layout(w, tokens, routing.top_k);
+  if (workspace_bytes < l.total)
+    return Status::error("moe_experts: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
+                         std::to_string(l.total));
+  auto* ws = static_cast<uint8_t*>(workspace);
+  const bool decode = tokens <= kMoeDecodeMaxTokens;
+  auto* h = reinterpret_cast<float*>(ws + l.h);
+  auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
+  auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);
+  int* tile_first = tile_expert + l.max_tiles;
+  int* tile_count = tile_first + l.max_tiles;
+  int* n_tiles = tile_count + l.max_tiles;
+
+  if (!decode) {
+    const size_t sort_smem = static_cast<size_t>(3 * w.n_experts) * sizeof(int);
+    build_tiles_kernel<<<1, 1024, sort_smem, stream>>>(routing.ids, static_cast<int>(pairs),
+                                                       static_cast<int>(w.n_experts), kTileRows, sorted_pairs,
+                                                       tile_expert, tile_first, tile_count, n_tiles);
+    DSV4_CUDA_TRY_LAUNCH();
+  }
+
+  const auto& gu = ggml_traits(w.gate_up_type);
+  MatvecArgs a;
+  a.w[0] = static_cast<const uint8_t*>(w.gate);
+  a.w[1] = static_cast<const uint8_t*>(w.up);
+  a.row_bytes = static_cast<int64_t>(w.hidden / gu.block_elems * gu.block_bytes);
+  a.matrix_stride = a.row_bytes * w.ffn;
+  a.n = w.ffn;
+  a.units_per_row = static_cast<int>(w.hidden / 32);
+  if (decode) {
+    a.n_tasks = pairs;
+  } else {
+    a.n_tiles = n_tiles;
+    a.tile_expert = tile_expert;
+    a.tile_first = tile_first;
+    a.tile_count = tile_count;
+    a.sorted_pairs = sorted_pairs;
+  }
+  a.expert_ids = routing.ids;
+  a.pair_weight = routing.weights;
+  a.top_k = routing.top_k;
+  a.limit = swiglu_limit;
+  a.out = h;
+  const QuantizedActivations xq = quantized_activations_view(ws + l.x_q, tokens, w.hidden);
+  if (w.gate_up_type != GgmlType::BF16) DSV4_TRY(quantize_activations_q8(x, xq, stream));
+  set_activations(a, w.gate_up_type, x, xq, w.hidden);
+  DSV4_TRY(dispatch<GateUpOp>(w.gate_up_type, a, decode, decode ? pairs : l.max_tiles, stream));
+
+  const QuantizedActivations hq = quantized_activations_view(ws + l.h_q, pairs, w.ffn);
+  if (w.down_type != GgmlType::BF16) DSV4_TRY(quantize_activations_q8(h, hq, stream));
+  const auto& dt = ggml_traits(w.down_type);
+  MatvecArgs d = a;
+  d.w[0] = static_cast<const uint8_t*>(w.down);
+  d.w[1] = nullptr;
+  d.row_bytes = static_cast<int64_t>(w.ffn / dt.block_elems * dt.block_bytes);
+  d.matrix_stride = d.row_bytes * w.hidden;
+  d.n = w.hidden;
+  d.units_per_row = static_cast<int>(w.ffn / 32);
+  set_activations(d, w.down_type, h, hq, w.ffn);
+  if (decode) {
+    d.n_tasks = tokens;
+    d.out = y;
+    return dispatch<DownOp>(w.down_type, d, true, tokens, stream);
+  }
+  auto* partial = reinterpret_cast<float*>(ws + l.partial);
+  d.out = partial;
+  DSV4_TRY(dispatch<DownOp>(w.down_type, d, false, l.max_tiles, stream));
+  const int64_t n = tokens * w.hidden;
+  sum_slots_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(partial, tokens, routing.top_k, w.hidden, y);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,52 @@
+// The routed-expert feed-forward of one MoE layer on quantised weights: for each token its
+// top_k selected experts, gate and up products with the clamped SwiGLU fused
+// (h = w_e * silu(min(g, L)) * clamp(u, -L, L), the routing weight applied before the down
+// product as the reference does), then the down products, summed over the top_k experts.
+//
+// One or two tokens (decode): one task per (token, expert) pair, no sort, and the down kernel sums a
+// token's experts inside one warp (no partial outputs). More tokens (prefill, many
+// sequences): pairs are sorted by expert on the device and each expert's rows are read once
+// per tile of up to 8 tokens; partial outputs per pair are then summed in a fixed order, so
+// results do not depend on the sort's order. Uses matvec_kernel.cuh; see docs/CUDA.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gguf/ggml_types.h"
+#include "util/status.h"
+
+namespace dsv4::cuda {
+
+struct ExpertWeights {
+  GgmlType gate_up_type = GgmlType::Q2_K;  // any matvec_supported type
+  const void* gate = nullptr;              // [n_experts][ffn][hidden]
+  const void* up = nullptr;                // [n_experts][ffn][hidden]
+  GgmlType down_type = GgmlType::Q2_K;
+  const void* down = nullptr;              // [n_experts][hidden][ffn]
+  int64_t n_experts = 0;
+  int64_t hidden = 0;
+  int64_t ffn = 0;
+};
+
+// ids and weights: [tokens][top_k] on the device; every id must lie in [0, n_experts).
+struct ExpertRouting {
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  int64_t tokens = 0;
+  int top_k = 0;
+};
+
+// Tokens up to this count take the per-token path.
+inline constexpr int64_t kMoeDecodeMaxTokens = 2;
+
+size_t moe_experts_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k);
+
+// x: [tokens][hidden] f32; y: [tokens][hidden] f32 (overwritten). Weight buffers follow
+// MatvecWeights' alignment rule.
+Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit,
+                   float* y, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace dsv4::cuda
