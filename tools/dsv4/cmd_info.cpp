@@ -90,8 +90,9 @@ void print_config(const ModelConfig& c) {
 
   fmt::print("config:\n");
   fmt::print("  vocabulary          {} tokens\n", with_commas(c.vocab_size));
-  fmt::print("  trunk               hidden {}, {} layers + {} MTP block{}, training context {}\n",
-             c.hidden, c.n_layers, c.n_mtp, c.n_mtp == 1 ? "" : "s", with_commas(c.context_length));
+  fmt::print("  trunk               hidden {}, {} layer{} + {} MTP block{}, training context {}\n",
+             c.hidden, c.n_layers, c.n_layers == 1 ? "" : "s", c.n_mtp, c.n_mtp == 1 ? "" : "s",
+             with_commas(c.context_length));
   fmt::print("  attention           {} heads x {} (rope {}), q rank {}, output {} groups x rank {}, "
              "window {}\n", c.n_heads, c.head_dim, c.rope.dims, c.q_lora_rank, c.o_groups,
              c.o_lora_rank, c.sliding_window);

@@ -1,0 +1,112 @@
+// `dsv4 info` and `dsv4 synth` end to end, through the built program: the built-in model
+// on first use, presets, synthetic files, and the errors a user sees.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "support/test_support.h"
+
+namespace dsv4 {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string cli() { return test::cli_path().string(); }
+
+void expect_contains(const std::string& out, const std::string& part) {
+  EXPECT_NE(out.find(part), std::string::npos) << "output lacks \"" << part << "\":\n" << out;
+}
+
+TEST(InfoCliTest, FlashPresetPlan) {
+  const auto r = test::run_command(cli() + " info --preset flash --ctx 1048576");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, "hidden 4096, 43 layers + 1 MTP block");
+  expect_contains(r.output, "2 window, 21 CSA (ratio 4), 20 HCA (ratio 128)");
+  expect_contains(r.output, "WWCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHC | MTP W");
+  expect_contains(r.output, "6,880 B");
+  expect_contains(r.output, "3514.25 B");
+  expect_contains(r.output, "1024 / 256 B");
+  expect_contains(r.output, "584 / 68 B");
+  expect_contains(r.output, "5.50 MiB");   // windows, reference
+  expect_contains(r.output, "11.64 MiB");  // compressor states
+  expect_contains(r.output, "5.25 GiB");   // CSA entries at 1M
+  expect_contains(r.output, "experts q2_K");
+}
+
+TEST(InfoCliTest, PresetOptions) {
+  const auto r = test::run_command(cli() + " info --preset flash --layers 4 --experts q4_K --ctx 4096");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, "4 layers + 1 MTP block");
+  expect_contains(r.output, "WWCH | MTP W");
+  expect_contains(r.output, "q4_K");
+}
+
+TEST(InfoCliTest, BuiltinModelOnFirstUse) {
+  test::TempDir dir;
+  const std::string env = "DSV4_CACHE_DIR=" + (dir / "cache").string() + " ";
+  const auto first = test::run_command(env + cli() + " info --ctx 72");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  expect_contains(first.output, "writing the built-in tiny model");
+  expect_contains(first.output, "built-in model");
+  expect_contains(first.output, "synthetic: preset tiny, seed 20260601");
+  expect_contains(first.output, "WCHCHW | MTP W");
+  expect_contains(first.output, "catalog check: ok");
+  expect_contains(first.output, "at 72 tokens:");
+  const auto second = test::run_command(env + cli() + " info");
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_EQ(second.output.find("writing the built-in"), std::string::npos) << second.output;
+}
+
+TEST(InfoCliTest, SynthThenInfo) {
+  test::TempDir dir;
+  const std::string path = (dir / "tiny2.gguf").string();
+  const auto w = test::run_command(cli() + " synth --preset tiny --layers 2 --experts q4_K --seed " +
+                                   std::to_string(test::test_seed()) + " -o " + path);
+  ASSERT_EQ(w.exit_code, 0) << w.output;
+  expect_contains(w.output, "wrote " + path);
+  const auto r = test::run_command(cli() + " info " + path + " --ctx 1000");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, "2 layers + 1 MTP block");
+  expect_contains(r.output, "WC | MTP W");
+  expect_contains(r.output, "catalog check: ok");
+  expect_contains(r.output, "q4_K");
+  // The output exists: synth refuses to replace it without --force.
+  const auto again = test::run_command(cli() + " synth --preset tiny --layers 2 --seed 1 -o " + path);
+  EXPECT_NE(again.exit_code, 0) << again.output;
+}
+
+TEST(InfoCliTest, Errors) {
+  test::TempDir dir;
+  const auto missing = test::run_command(cli() + " info " + (dir / "nope.gguf").string());
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  expect_contains(missing.output, "nope.gguf");
+
+  const std::string junk = (dir / "junk.gguf").string();
+  { std::ofstream(junk) << "not a gguf file at all"; }
+  const auto bad = test::run_command(cli() + " info " + junk);
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  expect_contains(bad.output, "junk.gguf");
+
+  const auto preset = test::run_command(cli() + " info --preset huge");
+  EXPECT_NE(preset.exit_code, 0);
+  expect_contains(preset.output, "unknown preset");
+
+  const auto both = test::run_command(cli() + " info " + junk + " --preset tiny");
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+
+  const auto type = test::run_command(cli() + " synth --preset tiny --experts iq2_xxs --seed 1 -o " +
+                                      (dir / "x.gguf").string());
+  EXPECT_EQ(type.exit_code, 1) << type.output;
+  expect_contains(type.output, "iq2_xxs");
+  EXPECT_FALSE(fs::exists(dir / "x.gguf"));
+
+  const auto layers = test::run_command(cli() + " synth --preset tiny --layers 9 --seed 1 -o " +
+                                        (dir / "y.gguf").string());
+  EXPECT_EQ(layers.exit_code, 2) << layers.output;
+  expect_contains(layers.output, "--layers 9");
+}
+
+}  // namespace
+}  // namespace dsv4
