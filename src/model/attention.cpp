@@ -113,7 +113,6 @@ Status ForwardPass::attend_sequence(uint32_t b, const SequenceRows& r, const Ten
     DSV4_ASSIGN_OR_RETURN(Tensor entries_new, compress(b, bw.compressor, false, r, x,
                                                        cache.comp_kv, cache.comp_score));
     if (entries_new.valid()) {
-      DSV4_TRY(r.seq->commit_rows(b, entries_new.rows()));
       DSV4_TRY(be.copy_rows(entries_new, cache.entries.slice(cache.n_entries, entries_new.rows())));
       cache.n_entries += entries_new.rows();
     }

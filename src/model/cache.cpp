@@ -52,10 +52,18 @@ Sequence::~Sequence() {
   if (budget_) budget_->release(committed_);
 }
 
-Status Sequence::commit_rows(uint32_t block, int64_t rows) {
-  const uint64_t bytes = static_cast<uint64_t>(rows) *
-                         (entry_row_bytes_ + (blocks_[block].index_keys.valid() ? key_row_bytes_ : 0));
-  if (budget_) DSV4_TRY(budget_->commit(bytes, fmt::format("block {}: {} compressed entries", block, rows)));
+Status Sequence::commit_through(int64_t end) {
+  uint64_t bytes = 0;
+  for (const Block& b : blocks_)
+    if (b.ratio)
+      bytes += static_cast<uint64_t>(end / b.ratio - b.committed_entries) *
+               (entry_row_bytes_ + (b.index_keys.valid() ? key_row_bytes_ : 0));
+  if (bytes == 0) return Status::ok();
+  if (budget_)
+    DSV4_TRY(budget_->commit(bytes, fmt::format("sequence at position {}: compressed entries through "
+                                                "position {}", position_, end)));
+  for (Block& b : blocks_)
+    if (b.ratio) b.committed_entries = end / b.ratio;
   committed_ += bytes;
   return Status::ok();
 }

@@ -88,9 +88,12 @@ class Sequence {
     backend::Tensor comp_kv, comp_score;      // main compressor state
     backend::Tensor index_kv, index_score;    // indexer compressor state
     int64_t n_entries = 0;
+    int64_t ratio = 0;              // tokens per entry; 0 for window-only blocks
+    int64_t committed_entries = 0;  // rows charged to the budget
   };
-  // Charges `rows` more entry rows of block b to the budgets.
-  Status commit_rows(uint32_t block, int64_t rows);
+  // Charges the entry rows that positions up to `end` (exclusive) will write, before any
+  // of them is computed, so a refusal leaves the sequence unchanged.
+  Status commit_through(int64_t end);
 
   CachePlan plan_;
   std::vector<Block> blocks_;  // trunk then MTP

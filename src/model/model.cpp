@@ -60,6 +60,7 @@ Result<std::unique_ptr<Sequence>> Model::new_sequence(const SequenceOptions& so)
     Sequence::Block& blk = seq->blocks_[b];
     DSV4_ASSIGN_OR_RETURN(blk.window, be.alloc(GgmlType::F32, std::vector<int64_t>{c.sliding_window, hd}));
     const int64_t ratio = c.ratio(b);
+    blk.ratio = ratio;
     if (ratio == 0) continue;
     const int64_t o = c.compressor_overlap(b), cap = std::max<int64_t>(ctx / ratio, 1);
     DSV4_ASSIGN_OR_RETURN(blk.entries, be.reserve(GgmlType::F32, std::vector<int64_t>{cap, hd}));
@@ -95,6 +96,7 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out) cons
     items.push_back({it.sequence, static_cast<int64_t>(tokens.size()), n, it.sequence->position()});
     tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
   }
+  for (const SequenceRows& r : items) DSV4_TRY(r.seq->commit_through(r.pos0 + r.n));
   DSV4_ASSIGN_OR_RETURN(ForwardRows rows, fp.make_rows(items, tokens));
   DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.embed(weights_->token_embd, rows));
   for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block(b, streams, rows));

@@ -1,0 +1,215 @@
+// The forward pass's cache and batching on a synthetic tiny model (the fixture's
+// geometry, random weights): results are bit-identical whatever the chunking and
+// batching, short prompts and every compressed-entry boundary included; the cache plan
+// and budgets refuse what does not fit.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "model/model.h"
+#include "model/presets.h"
+#include "model/synth.h"
+#include "support/test_support.h"
+
+namespace dsv4 {
+namespace {
+
+class ForwardInvariance : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = std::make_unique<test::TempDir>();
+    ModelConfig c = tiny_config();
+    c.vocab_size = 512;
+    c.context_length = 256;
+    SynthOptions so;
+    so.config = c;
+    so.seed = 7;
+    so.write_tokenizer = false;
+    so.expert_type = GgmlType::MXFP4;
+    so.dense_type = GgmlType::Q8_0;
+    path_ = (dir_->path() / "tiny.gguf").string();
+    auto r = write_synthetic_model(path_, so);
+    ASSERT_TRUE(r.is_ok()) << r.status().message();
+    cpu_ = std::make_unique<backend::CpuBackend>(2);
+    auto m = Model::load(path_, *cpu_, {});
+    ASSERT_TRUE(m.is_ok()) << m.status().message();
+    model_ = std::move(m).value();
+  }
+  static void TearDownTestSuite() {
+    model_.reset();
+    cpu_.reset();
+    dir_.reset();
+  }
+  void SetUp() override { ASSERT_TRUE(model_); }
+
+  static std::unique_ptr<Sequence> sequence(uint64_t ctx = 128) {
+    SequenceOptions so;
+    so.max_context = ctx;
+    auto s = model_->new_sequence(so);
+    EXPECT_TRUE(s.is_ok()) << s.status().message();
+    return std::move(s).value();
+  }
+  static std::vector<int32_t> tokens(size_t n, uint64_t salt) {
+    std::mt19937_64 rng(test::test_seed() + salt);
+    std::uniform_int_distribution<int32_t> id(0, 511);
+    std::vector<int32_t> t(n);
+    for (auto& x : t) x = id(rng);
+    return t;
+  }
+  // Every token's logits, in chunks following `chunks` cyclically.
+  static std::vector<float> run(const std::vector<int32_t>& t, const std::vector<size_t>& chunks) {
+    auto seq = sequence();
+    std::vector<float> out;
+    size_t at = 0;
+    for (size_t i = 0; at < t.size(); ++i) {
+      const size_t len = std::min(chunks[i % chunks.size()], t.size() - at);
+      auto r = model_->prefill(*seq, std::span<const int32_t>(t.data() + at, len), true);
+      EXPECT_TRUE(r.is_ok()) << r.status().message();
+      if (!r.is_ok()) return {};
+      out.insert(out.end(), r->begin(), r->end());
+      at += len;
+    }
+    EXPECT_EQ(seq->position(), static_cast<int64_t>(t.size()));
+    return out;
+  }
+
+  static std::unique_ptr<test::TempDir> dir_;
+  static std::string path_;
+  static std::unique_ptr<backend::CpuBackend> cpu_;
+  static std::unique_ptr<Model> model_;
+};
+
+std::unique_ptr<test::TempDir> ForwardInvariance::dir_;
+std::string ForwardInvariance::path_;
+std::unique_ptr<backend::CpuBackend> ForwardInvariance::cpu_;
+std::unique_ptr<Model> ForwardInvariance::model_;
+
+// 70 tokens cross the window (8), 17 CSA entries (ratio 4) and 4 HCA entries (ratio 16);
+// chunk size 1 ends a call on every entry boundary, the odd sizes start calls inside,
+// at, and just after blocks.
+TEST_F(ForwardInvariance, ChunkSizesGiveIdenticalLogits) {
+  const auto t = tokens(70, 1);
+  const auto whole = run(t, {t.size()});
+  ASSERT_EQ(whole.size(), t.size() * 512);
+  for (const auto& chunks : std::vector<std::vector<size_t>>{{1}, {3}, {7}, {16}, {4, 12, 1, 15, 2}})
+    EXPECT_EQ(run(t, chunks), whole) << "chunks starting " << chunks[0];
+}
+
+// Prompts shorter than the compression ratio (and than the window), then decoding.
+TEST_F(ForwardInvariance, ShortPromptsThenDecode) {
+  const auto t = tokens(40, 2);
+  const auto whole = run(t, {t.size()});
+  for (size_t first : {1, 2, 3, 5}) {
+    std::vector<size_t> chunks = {first};
+    chunks.insert(chunks.end(), t.size(), 1);
+    EXPECT_EQ(run(t, chunks), whole) << "prompt of " << first;
+  }
+}
+
+// Sequences of different lengths (shorter than a block, a window, several blocks) in one
+// batch, and a batch mixing decode steps with a prefill chunk.
+TEST_F(ForwardInvariance, BatchedSequencesMatchEachAlone) {
+  const std::vector<size_t> lengths = {2, 9, 33, 50};
+  std::vector<std::vector<int32_t>> toks;
+  std::vector<std::vector<float>> alone;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    toks.push_back(tokens(lengths[i], 10 + i));
+    alone.push_back(run(toks.back(), {lengths[i]}));
+  }
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  std::vector<BatchItem> batch;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    seqs.push_back(sequence());
+    batch.push_back({seqs.back().get(), toks[i], true, false});
+  }
+  ForwardOutput out;
+  ASSERT_TRUE(model_->forward(batch, out).is_ok());
+  size_t row = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    EXPECT_EQ(std::vector<float>(out.logits.begin() + row * 512, out.logits.begin() + (row + lengths[i]) * 512),
+              alone[i]) << "sequence " << i;
+    row += lengths[i];
+  }
+
+  // Two sequences continue: one decodes a token, the other prefills 6, in one call.
+  const auto more = tokens(7, 20);
+  std::vector<BatchItem> step = {{seqs[0].get(), std::span<const int32_t>(more.data(), 1), true, false},
+                                 {seqs[3].get(), std::span<const int32_t>(more.data() + 1, 6), true, false}};
+  ASSERT_TRUE(model_->forward(step, out).is_ok());
+  auto a = toks[0];
+  a.push_back(more[0]);
+  auto b = toks[3];
+  b.insert(b.end(), more.begin() + 1, more.end());
+  const auto ra = run(a, {a.size()}), rb = run(b, {b.size()});
+  EXPECT_EQ(std::vector<float>(out.logits.begin(), out.logits.begin() + 512),
+            std::vector<float>(ra.end() - 512, ra.end()));
+  EXPECT_EQ(std::vector<float>(out.logits.begin() + 512, out.logits.end()),
+            std::vector<float>(rb.end() - 6 * 512, rb.end()));
+}
+
+TEST_F(ForwardInvariance, CachePlanAndLimits) {
+  const ModelConfig& c = model_->config();
+  auto plan = CachePlan::compute(c, 100, false);
+  ASSERT_TRUE(plan.is_ok());
+  // Tiny: 6 layers x window 8 x 256 fp32; CSA layers 1, 3 (25 entries + 25 keys each);
+  // HCA layers 2, 4 (6 entries each); states: CSA 2 x (8x512 + 8x256) x 2 x 4 B, HCA 2 x 16x256 x 2 x 4 B.
+  EXPECT_EQ(plan->windows, 6u * 8 * 256 * 4);
+  EXPECT_EQ(plan->csa_entries, 2u * 25 * 256 * 4);
+  EXPECT_EQ(plan->index_keys, 2u * 25 * 128 * 4);
+  EXPECT_EQ(plan->hca_entries, 2u * 6 * 256 * 4);
+  EXPECT_EQ(plan->compressor_states, 2u * (8 * 512 + 8 * 256) * 2 * 4 + 2u * 16 * 256 * 2 * 4);
+  EXPECT_EQ(plan->total(), plan->fixed() + plan->csa_entries + plan->index_keys + plan->hca_entries);
+
+  SequenceOptions too_long;
+  too_long.max_context = c.context_length + 1;
+  auto s = model_->new_sequence(too_long);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.status().message().find("context"), std::string::npos) << s.status().message();
+
+  SequenceOptions small_budget;
+  small_budget.max_context = 100;
+  small_budget.memory_budget = plan->total() - 1;
+  s = model_->new_sequence(small_budget);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.status().message().find("budget"), std::string::npos) << s.status().message();
+
+  // A sequence cannot run past its context.
+  auto seq = sequence(10);
+  const auto t = tokens(11, 3);
+  EXPECT_FALSE(model_->prefill(*seq, t).is_ok());
+  EXPECT_EQ(seq->position(), 0);
+}
+
+// Full-context reservations over one shared budget: rows are charged as they are written.
+TEST_F(ForwardInvariance, SharedBudgetCommitsRowsAsWritten) {
+  const ModelConfig& c = model_->config();
+  auto plan = CachePlan::compute(c, 256, false);
+  ASSERT_TRUE(plan.is_ok());
+  // Room for two sequences' fixed parts and a few entries, far less than two full plans.
+  auto budget = std::make_shared<CacheBudget>(2 * plan->fixed() + 40 * 1024);
+  SequenceOptions so;
+  so.max_context = 256;
+  so.shared_budget = budget;
+  auto a = model_->new_sequence(so), b = model_->new_sequence(so);
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  EXPECT_EQ(budget->used(), 2 * plan->fixed());
+  const auto t = tokens(16, 4);
+  ASSERT_TRUE(model_->prefill(**a, t).is_ok());
+  // 16 tokens: 4 CSA entries + 4 keys in each of 2 layers, 1 HCA entry in each of 2 layers.
+  const uint64_t rows_bytes = 2 * 4 * (256 + 128) * 4 + 2 * 1 * 256 * 4;
+  EXPECT_EQ(budget->used(), 2 * plan->fixed() + rows_bytes);
+  EXPECT_EQ((*a)->committed_bytes(), plan->fixed() + rows_bytes);
+  const auto long_t = tokens(200, 5);
+  const auto r = model_->prefill(**b, long_t);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("budget"), std::string::npos) << r.status().message();
+  a->reset();
+  EXPECT_LT(budget->used(), 2 * plan->fixed() + rows_bytes);
+}
+
+}  // namespace
+}  // namespace dsv4
