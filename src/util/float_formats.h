@@ -148,9 +148,9 @@ DSV4_HOST_DEVICE inline float e8m0_to_f32_half(uint8_t b) {
 
 DSV4_HOST_DEVICE inline float e2m1_to_f32(uint8_t code) {
   const uint32_t mag = code & 0x7u;
-  // 0.5 * {0,1,2,3,4,6,8,12}: exact in f32.
-  const float twice = mag < 4 ? static_cast<float>(mag) : static_cast<float>((mag - 2u) * 2u);
-  const float v = twice * 0.5f;
+  // Twice the magnitude is {0,1,2,3,4,6,8,12}: (2 or 3) << (mag/2 - 1) from code 4 on.
+  const uint32_t twice = mag < 4 ? mag : (2u + (mag & 1u)) << ((mag >> 1) - 1u);
+  const float v = static_cast<float>(twice) * 0.5f;
   return (code & 0x8u) ? -v : v;
 }
 
