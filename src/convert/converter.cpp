@@ -7,6 +7,8 @@
 #include <set>
 #include <sstream>
 
+#include <sys/resource.h>
+
 #include "convert/official_tensor.h"
 #include "convert/safetensors.h"
 #include "gguf/gguf_writer.h"
@@ -187,7 +189,8 @@ std::string ConvertSummary::to_string() const {
   for (const auto& [type, n] : tensors_by_type)
     s += fmt::format("  {:>6}: {:5} tensors, {}\n", ggml_type_name(type), n, human_bytes(bytes_by_type[type]));
   if (!output_paths.empty()) {
-    s += fmt::format("written in {:.1f} s:", seconds);
+    s += fmt::format("written in {:.1f} s ({:.0f} MB/s), peak resident memory {}:", seconds,
+                     seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0, human_bytes(peak_rss_bytes));
     for (const auto& p : output_paths) s += " " + p;
     s += "\n";
     s += tokenizer_written ? "tokenizer: from tokenizer.json\n"
@@ -319,6 +322,8 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
   DSV4_TRY(writer.finish());
   summary.output_paths = writer.output_paths();
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  struct rusage usage {};
+  if (getrusage(RUSAGE_SELF, &usage) == 0) summary.peak_rss_bytes = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
   return summary;
 }
 

@@ -73,6 +73,7 @@ struct ConvertSummary {
   double seconds = 0;
   std::map<GgmlType, uint64_t> tensors_by_type;
   std::vector<const PlannedTensor*> fallbacks;  // into plan.tensors
+  uint64_t peak_rss_bytes = 0;  // of this process so far (getrusage), after the conversion
 
   std::string to_string() const;  // the report `dsv4 convert` prints
 };

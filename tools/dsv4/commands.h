@@ -24,6 +24,7 @@ void register_gguf(CLI::App& app, CommandRunner& run);      // cmd_gguf.cpp
 void register_info(CLI::App& app, CommandRunner& run);      // cmd_info.cpp
 void register_synth(CLI::App& app, CommandRunner& run);     // cmd_synth.cpp
 void register_convert(CLI::App& app, CommandRunner& run);   // cmd_convert.cpp
+void register_synth_checkpoint(CLI::App& app, CommandRunner& run);  // cmd_synth_checkpoint.cpp
 void register_score(CLI::App& app, CommandRunner& run);     // cmd_score.cpp
 void register_quant(CLI::App& app, CommandRunner& run);     // cmd_quant.cpp
 

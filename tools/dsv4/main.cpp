@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   add("info", "Describe a model file, a preset or the built-in model: config, tensors, memory plan", register_info);
   add("synth", "Write a synthetic deepseek4 GGUF with seeded random weights", register_synth);
   add("convert", "Convert DeepSeek's official checkpoint (safetensors FP8/FP4) to a deepseek4 GGUF", register_convert);
+  add("synth-checkpoint", "Write a synthetic checkpoint in DeepSeek's official format (input of convert)", register_synth_checkpoint);
   add("score", "Write the logits of a token sequence as a NumPy .npy file", register_score);
   add("quant", "Quantise / dequantise raw blocks of one element type (development tool)", register_quant);
 
