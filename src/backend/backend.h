@@ -83,7 +83,8 @@ struct RopeParams {
 // The arithmetic of the matrix products.
 enum class MatmulMode {
   Exact,      // weights decoded exactly, fp32 activations and accumulation (reference)
-  Quantized,  // activations quantised to the weight's integer dot type (fast path)
+  Quantized,  // a backend may quantise activations (integer / FP8 dot products); the CPU
+              // backend computes this mode exactly until quant.h's integer path lands
 };
 
 class Backend {

@@ -31,7 +31,7 @@ struct ModelOptions {
   // The official QAT roundings (spec §9.1-2): FP8 window/compressed KV, Hadamard + FP4
   // indexer queries and keys. On by default, as the checkpoint was trained.
   bool qat = true;
-  // Exact: fp32 reference numerics (CI, fixtures). Quantized: integer dot products.
+  // Exact: fp32 reference numerics (CI, fixtures). Quantized: a backend's fast path.
   backend::MatmulMode matmul = backend::MatmulMode::Exact;
 };
 
