@@ -92,7 +92,8 @@ class HeaderCursor {
 
   Status read_string(std::string& out, std::string_view what) {
     uint64_t len = 0;
-    DSV4_TRY(read_pod(len, fmt::format("{} (string length)", what)));
+    if (remaining() < sizeof(len)) return truncated(sizeof(len), fmt::format("{} (string length)", what));
+    DSV4_TRY(read_pod(len, what));
     if (len > kMaxStringBytes)
       return Status::errorf("{}: string length {} at offset {} exceeds the limit of {} bytes", what, len,
                             pos_ - 8, kMaxStringBytes);
@@ -254,10 +255,11 @@ class HeaderParser {
     items.reserve(static_cast<size_t>(std::min<uint64_t>(count, 4096)));
     for (uint64_t i = 0; i < count; ++i) {
       Value& item = items.emplace_back();
-      if (et == ValueType::ARRAY || et == ValueType::STRING) {
-        DSV4_TRY(parse_value(et, depth + 1, fmt::format("{}[{}]", what, i), item));
-      } else {
-        DSV4_TRY(parse_value(et, depth + 1, what, item));
+      Status s = parse_value(et, depth + 1, what, item);
+      // The element's index goes into the message only on error: vocabularies have 100k+ items.
+      if (!s) {
+        const std::string& m = s.message();
+        return m.rfind(what, 0) == 0 ? Status::errorf("{}[{}]{}", what, i, m.substr(what.size())) : s;
       }
     }
     out = Value::array(et, std::move(items));
