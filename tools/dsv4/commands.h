@@ -20,6 +20,8 @@ using CommandRunner = std::function<int()>;
 
 // Adds the subcommand's options to `app` and returns the function to run when chosen.
 void register_tokenize(CLI::App& app, CommandRunner& run);  // cmd_tokenize.cpp
+void register_run(CLI::App& app, CommandRunner& run);       // cmd_run.cpp
+void register_chat(CLI::App& app, CommandRunner& run);      // cmd_chat.cpp
 void register_gguf(CLI::App& app, CommandRunner& run);      // cmd_gguf.cpp
 void register_info(CLI::App& app, CommandRunner& run);      // cmd_info.cpp
 void register_synth(CLI::App& app, CommandRunner& run);     // cmd_synth.cpp

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   };
   // One line per subcommand (each defined in cmd_<name>.cpp, declared in commands.h).
   (void)add;
+  add("run", "Answer one prompt, streaming the reply (built-in tiny model without -m)", register_run);
+  add("chat", "Talk with a model interactively (/think, /nothink, /reset, /quit; Ctrl-C stops a reply)", register_chat);
   add("tokenize", "Turn text into token ids (development tool)", register_tokenize);
   add("gguf", "Inspect or rewrite GGUF files: dump, copy (development tools)", register_gguf);
   add("info", "Describe a model file, a preset or the built-in model: config, tensors, memory plan", register_info);

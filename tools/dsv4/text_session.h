@@ -1,0 +1,100 @@
+// What `dsv4 run` and `dsv4 chat` share: model and sampling flags, loading a model (or
+// the built-in one) with its tokenizer, and printing a reply as it streams (reasoning set
+// apart from the answer, tool calls listed, speed on stderr).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "model/model.h"
+#include "runtime/generator.h"
+#include "text/chat.h"
+#include "text/output_parser.h"
+#include "text/tokenizer.h"
+
+namespace dsv4::cli {
+
+struct SessionFlags {
+  std::string model;  // empty: the built-in model
+  int threads = 0;
+  uint64_t ctx = 0;
+  bool fast = false;
+  // Sampling (defaults: DeepSeek-V4's model card).
+  float temperature = 1.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repeat_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  std::vector<std::string> logit_bias;  // "ID=BIAS"
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token;
+  int64_t max_tokens = 2048;
+  uint64_t seed = 0;
+  bool seed_given = false;
+  // Chat format.
+  bool think = false, nothink = false;
+  std::string effort;
+  std::string effort_table = "v4";
+  std::string system;
+  std::string tools_file;
+};
+
+void add_session_flags(CLI::App& app, SessionFlags& f);
+
+// Checks the flags that CLI11 cannot (ranges, ID=BIAS syntax, --think with --nothink);
+// the message names the flag.
+Status validate_session_flags(const SessionFlags& f);
+
+struct Session {
+  std::unique_ptr<backend::CpuBackend> cpu;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<text::Tokenizer> tokenizer;
+  std::string model_path;
+  bool builtin = false;
+  text::OrderedJson tools = text::OrderedJson::array();
+  text::ChatOptions chat;
+  runtime::GenerateOptions generate;
+};
+
+// Loads the model (the built-in one when -m is absent, writing it on first use) and its
+// tokenizer, and turns the flags into chat and generation options. `command` prefixes
+// log lines ("dsv4 run").
+Result<Session> open_session(const SessionFlags& f, const char* command);
+
+// Prints a reply as it streams: reasoning between "<think>" and "</think>" lines (dim on a
+// terminal), then the answer, then tool calls; collects the parsed result.
+class ReplyPrinter {
+ public:
+  ReplyPrinter(text::ThinkingMode mode, const text::OrderedJson& tools, bool print, bool color);
+  void on_text(std::string_view piece);
+  void finish();
+  const text::ParsedOutput& result() const { return parser_.result(); }
+
+ private:
+  void show(const text::OutputDelta& d);
+  text::OutputParser parser_;
+  bool print_, color_;
+  bool in_reasoning_ = false, reasoning_shown_ = false, answer_started_ = false;
+  bool at_line_start_ = true;
+};
+
+// "prompt: 12 tokens, 340.1 tokens/s | generation: 30 tokens, 25.3 tokens/s (eos)"
+std::string speed_line(const runtime::GenerateStats& s);
+
+// SIGINT sets the flag instead of killing the process (while installed).
+class InterruptFlag {
+ public:
+  InterruptFlag();
+  ~InterruptFlag();
+  const std::atomic<bool>& flag() const;
+  bool take();  // true once per interrupt
+};
+
+}  // namespace dsv4::cli
