@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <iostream>
 #include <iterator>
 #include <memory>
@@ -21,6 +22,7 @@ struct TokenizeOptions {
   bool prompt_given = false;
   bool json_lines = false;
   bool show_pieces = false;
+  bool time_encode = false;
 };
 
 Result<std::shared_ptr<const text::Tokenizer>> load_tokenizer(const std::string& model) {
@@ -33,9 +35,10 @@ Result<std::shared_ptr<const text::Tokenizer>> load_tokenizer(const std::string&
 }
 
 // One JSON string per input line -> {"ids": [...], "decoded": "..."} per output line.
-int run_json_lines(const text::Tokenizer& tok) {
+int run_json_lines(const text::Tokenizer& tok, bool time_encode) {
   std::string line;
-  size_t line_no = 0;
+  size_t line_no = 0, bytes = 0, tokens = 0;
+  double encode_seconds = 0;
   while (std::getline(std::cin, line)) {
     ++line_no;
     nlohmann::json in = nlohmann::json::parse(line, nullptr, false);
@@ -43,15 +46,23 @@ int run_json_lines(const text::Tokenizer& tok) {
       fmt::print(stderr, "dsv4 tokenize: stdin line {}: expected a JSON string\n", line_no);
       return kExitFailure;
     }
-    auto ids = tok.encode(in.get<std::string>());
+    const std::string text = in.get<std::string>();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto ids = tok.encode(text);
+    encode_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!ids.is_ok()) {
       fmt::print(stderr, "dsv4 tokenize: stdin line {}: {}\n", line_no, ids.status().message());
       return kExitFailure;
     }
+    bytes += text.size();
+    tokens += ids->size();
     nlohmann::json out = {{"ids", *ids}, {"decoded", tok.decode(*ids)}};
     std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
   }
   std::cout.flush();
+  if (time_encode)
+    fmt::print(stderr, "dsv4 tokenize: {} strings, {} bytes, {} tokens, encode {:.6f} s ({:.2f} MB/s, one thread)\n",
+               line_no, bytes, tokens, encode_seconds, encode_seconds > 0 ? bytes / encode_seconds / 1e6 : 0.0);
   return kExitOk;
 }
 
@@ -61,7 +72,7 @@ int run_tokenize(const TokenizeOptions& o) {
     fmt::print(stderr, "dsv4 tokenize: {}\n", tok.status().message());
     return kExitFailure;
   }
-  if (o.json_lines) return run_json_lines(**tok);
+  if (o.json_lines) return run_json_lines(**tok, o.time_encode);
   std::string text = o.prompt;
   if (!o.prompt_given) text.assign(std::istreambuf_iterator<char>(std::cin), {});
   auto ids = (*tok)->encode(text);
@@ -89,6 +100,7 @@ void register_tokenize(CLI::App& app, CommandRunner& run) {
   app.add_option("-p,--prompt", o->prompt, "text to tokenize (default: all of stdin)");
   app.add_flag("--json", o->json_lines,
                "read one JSON string per stdin line, write {\"ids\": [...], \"decoded\": \"...\"} per line");
+  app.add_flag("--time", o->time_encode, "with --json: report the time spent encoding (on stderr)");
   app.add_flag("--pieces", o->show_pieces, "print one token per line: id and vocabulary string");
   run = [o, &app] {
     o->prompt_given = app.count("--prompt") > 0;
