@@ -2,6 +2,7 @@
 // weight bytes against the copy and read bandwidth measured in the same run.
 //  "graph": one matvec call per matrix (activation quantisation + product), many calls
 //           replayed from a CUDA graph over rotating copies (larger than L2): decode's setting.
+//  "graph-noPDL": the same without programmatic dependent launch (matvec.h).
 //  "batched": all copies in one call (batch dimension): the kernel's steady-state rate
 //           without per-launch latency.
 #include <cstdio>
@@ -22,7 +23,7 @@ struct Shape {
   int64_t n, k, groups;  // groups > 1: a grouped projection (batch of matrices, own inputs)
 };
 
-void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStream_t stream) {
+void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStream_t stream, bool compare_launch = false) {
   const auto& t = ggml_traits(type);
   const size_t matrix_bytes = *ggml_row_bytes(type, s.k) * s.n * s.groups;
   constexpr size_t kRotateBytes = size_t{1} << 30;  // many times the 50 MB L2
@@ -41,12 +42,18 @@ void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStrea
                         ws.p, ws.bytes, stream),
                  "matvec");
   };
-  const cudaGraphExec_t graph = capture(stream, [&] {
-    for (int64_t c = 0; c < copies; ++c) one(c);
-  });
-  const double graph_us = time_us([&] { BENCH_CUDA(cudaGraphLaunch(graph, stream)); }, 3) / copies;
-  cudaGraphExecDestroy(graph);
-  const double batched_us = time_us(
+  auto graph_time = [&](bool pdl) {
+    set_programmatic_launch(pdl);
+    const cudaGraphExec_t graph = capture(stream, [&] {
+      for (int64_t c = 0; c < copies; ++c) one(c);
+    });
+    const double us = time_us(stream, [&] { BENCH_CUDA(cudaGraphLaunch(graph, stream)); }, 3) / copies;
+    cudaGraphExecDestroy(graph);
+    set_programmatic_launch(true);
+    return us;
+  };
+  const double graph_us = graph_time(true);
+  const double batched_us = time_us(stream, 
       [&] { check_status(matvec(all, x.get<float>(), rows, y.get<float>(), ws.p, ws.bytes, stream), "matvec"); }, 3) /
       copies;
 
@@ -56,6 +63,12 @@ void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStrea
   std::snprintf(note, sizeof note, "%.2f MB/matrix; graph %.2f us = %.0f GB/s (%.0f%% of copy); read-bw %.0f%%",
                 matrix_bytes / 1e6, graph_us, gbs_graph, 100 * gbs_graph / bw.copy_gbs, 100 * gbs_batched / bw.read_gbs);
   report("matvec", name + " graph", gbs_graph, "GB/s", gbs_graph / bw.copy_gbs, note);
+  if (compare_launch) {
+    const double plain_us = graph_time(false);
+    const double gbs = matrix_bytes / plain_us / 1e3;
+    std::snprintf(note, sizeof note, "%.2f us/matrix without programmatic dependent launch", plain_us);
+    report("matvec", name + " graph-noPDL", gbs, "GB/s", gbs / bw.copy_gbs, note);
+  }
   std::snprintf(note, sizeof note, "%.2f us/matrix in one launch of %lld; %.0f%% of read bandwidth", batched_us,
                 static_cast<long long>(copies), 100 * gbs_batched / bw.read_gbs);
   report("matvec", name + " batched", gbs_batched, "GB/s", gbs_batched / bw.copy_gbs, note);
@@ -67,6 +80,7 @@ int main() {
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const Bandwidth bw = measure_bandwidth();
+  check_status(prepare_matvec_tables(), "prepare_matvec_tables");
   report("bandwidth", "device-to-device copy (read+write)", bw.copy_gbs, "GB/s", 1.0, "2 GiB cudaMemcpyAsync");
   report("bandwidth", "streaming read kernel", bw.read_gbs, "GB/s", bw.read_gbs / bw.copy_gbs, "2 GiB, uint4 loads");
 
@@ -77,7 +91,8 @@ int main() {
   const GgmlType types[] = {GgmlType::Q8_0, GgmlType::Q2_K,  GgmlType::Q3_K,    GgmlType::Q4_K,
                             GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::IQ2_XXS, GgmlType::BF16};
   for (GgmlType type : types)
-    for (const Shape& s : shapes) run(type, s, 1, bw, stream);
+    for (const Shape& s : shapes)
+      run(type, s, 1, bw, stream, type == GgmlType::Q8_0 || type == GgmlType::Q2_K || type == GgmlType::Q3_K);
   for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K})
     for (int rows : {4, 16}) {
       run(type, shapes[0], rows, bw, stream);

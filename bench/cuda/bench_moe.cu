@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/matvec.h"
 #include "backend/cuda/moe_experts.h"
 #include "bench_util.cuh"
 
@@ -73,7 +74,7 @@ void decode_43_layers(GgmlType gu, GgmlType down, const Bandwidth& bw, cudaStrea
                    "moe_experts");
     }
   });
-  const double us = time_us([&] { BENCH_CUDA(cudaGraphLaunch(graph, stream)); }, 10);
+  const double us = time_us(stream, [&] { BENCH_CUDA(cudaGraphLaunch(graph, stream)); }, 10);
   cudaGraphExecDestroy(graph);
   const double bytes = double(kLayers) * kTopK * (2.0 * layers[0]->gu_bytes + layers[0]->down_bytes);
   const double bound_us = bytes / (bw.read_gbs * 1e3);
@@ -99,7 +100,7 @@ void batched_layer(GgmlType gu, GgmlType down, int64_t tokens, const ExpertSet& 
   const ExpertWeights ew = set.weights();
   Buffer ws(moe_experts_workspace_bytes(ew, tokens, kTopK));
   const ExpertRouting routing{ids.get<int32_t>(), wts.get<float>(), tokens, kTopK};
-  const double us = time_us(
+  const double us = time_us(stream, 
       [&] {
         check_status(moe_experts(ew, x.get<float>(), routing, kLimit, y.get<float>(), ws.p, ws.bytes, stream),
                      "moe_experts");
@@ -125,6 +126,7 @@ int main() {
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const Bandwidth bw = measure_bandwidth();
+  check_status(prepare_matvec_tables(), "prepare_matvec_tables");
   report("bandwidth", "streaming read kernel (moe run)", bw.read_gbs, "GB/s", 1.0, "");
   decode_43_layers(GgmlType::Q2_K, GgmlType::Q2_K, bw, stream);
   decode_43_layers(GgmlType::IQ2_XXS, GgmlType::Q2_K, bw, stream);

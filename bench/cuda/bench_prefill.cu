@@ -30,7 +30,7 @@ int main() {
       fill_weights(GgmlType::BF16, a.p, a.bytes, 3);
       fill_weights(GgmlType::BF16, wb.p, wb.bytes, 4);
       const double flops = 2.0 * m * s.n * s.k;
-      const double base_us = time_us(
+      const double base_us = time_us(stream, 
           [&] {
             check_status(gemm_bf16(handle, a.get<__nv_bfloat16>(), wb.get<__nv_bfloat16>(), c.get<float>(), m, s.n, s.k,
                                    ws.p, ws.bytes, stream),
@@ -43,10 +43,10 @@ int main() {
       for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::MXFP4, GgmlType::IQ2_XXS}) {
         Buffer w(*ggml_row_bytes(type, s.k) * s.n);
         fill_weights(type, w.p, w.bytes, 5);
-        const double deq_us = time_us(
+        const double deq_us = time_us(stream, 
             [&] { check_status(dequantize_to_bf16(type, w.p, s.n, s.k, wb.get<__nv_bfloat16>(), stream), "dequantize"); },
             10);
-        const double us = time_us(
+        const double us = time_us(stream, 
             [&] {
               check_status(gemm_prefill(handle, type, w.p, s.n, s.k, a.get<__nv_bfloat16>(), m, c.get<float>(),
                                         wb.get<__nv_bfloat16>(), ws.p, ws.bytes, stream),

@@ -106,18 +106,20 @@ inline void fill_floats(float* p, size_t n, uint64_t seed) {
   BENCH_CUDA(cudaGetLastError());
 }
 
-// Median over `repeats` of the per-iteration time (microseconds) of `iters` calls of fn.
-inline double time_us(const std::function<void()>& fn, int iters, int repeats = 7) {
+// Median over `repeats` of the per-iteration time (microseconds) of `iters` calls of fn, which
+// must launch its work on `stream` (the events are recorded there).
+inline double time_us(cudaStream_t stream, const std::function<void()>& fn, int iters, int repeats = 7) {
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
-  fn();  // warm-up
+  BENCH_CUDA(cudaDeviceSynchronize());  // data set-up on other streams is done
+  fn();                                 // warm-up
   BENCH_CUDA(cudaDeviceSynchronize());
   std::vector<double> t;
   for (int r = 0; r < repeats; ++r) {
-    BENCH_CUDA(cudaEventRecord(a));
+    BENCH_CUDA(cudaEventRecord(a, stream));
     for (int i = 0; i < iters; ++i) fn();
-    BENCH_CUDA(cudaEventRecord(b));
+    BENCH_CUDA(cudaEventRecord(b, stream));
     BENCH_CUDA(cudaEventSynchronize(b));
     float ms = 0;
     BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
@@ -160,10 +162,10 @@ inline Bandwidth measure_bandwidth() {
   const size_t bytes = size_t{2} << 30;
   Buffer a(bytes), b(bytes), sink(64);
   fill_random(a.p, bytes, 1);
-  const double copy_us = time_us([&] { BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); }, 5);
+  const double copy_us = time_us(nullptr, [&] { BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); }, 5);
   int sms = 0;
   BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const double read_us = time_us([&] { read_kernel<<<sms * 8, 512>>>(a.get<uint4>(), bytes / 16, sink.get<unsigned>()); }, 5);
+  const double read_us = time_us(nullptr, [&] { read_kernel<<<sms * 8, 512>>>(a.get<uint4>(), bytes / 16, sink.get<unsigned>()); }, 5);
   return {2.0 * bytes / copy_us / 1e3, bytes / read_us / 1e3};
 }
 

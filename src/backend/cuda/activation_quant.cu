@@ -3,6 +3,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/matvec.h"
 
 namespace dsv4::cuda {
 
@@ -15,6 +16,8 @@ __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t n_blocks
                                    float* __restrict__ d, float* __restrict__ s16) {
   const int64_t block = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x comes from the previous kernel
   if (block >= n_blocks) return;
   const float v = x[block * 32 + lane];
   float amax = fabsf(v);
@@ -56,8 +59,18 @@ Status quantize_activations_q8(const float* x, const QuantizedActivations& out, 
   if (n_blocks == 0) return Status::ok();
   constexpr int kThreads = 256;
   const int64_t grid = (n_blocks * 32 + kThreads - 1) / kThreads;
-  quantize_q8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(x, n_blocks, out.q, out.d, out.s16);
-  DSV4_CUDA_TRY_LAUNCH();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  if (programmatic_launch()) {
+    config.attrs = &pdl;
+    config.numAttrs = 1;
+  }
+  DSV4_CUDA_TRY(cudaLaunchKernelEx(&config, quantize_q8_kernel, x, n_blocks, out.q, out.d, out.s16));
   return Status::ok();
 }
 

@@ -18,33 +18,46 @@ Status cublas_status(cublasStatus_t s, const char* what, const char* file, int l
 }
 #define DSV4_CUBLAS_TRY(call) DSV4_TRY(cublas_status((call), #call, __FILE__, __LINE__))
 
-// One thread per 32 weights: decode from global memory, write 32 bf16 (four 16-byte stores).
+// One thread per wide unit (32 to 128 weights): decode from global memory, write bf16 in
+// 16-byte stores.
 template <GgmlType T>
 __global__ void dequantize_bf16_kernel(const uint8_t* __restrict__ w, int64_t n, int64_t k, int64_t row_bytes,
                                        const uint64_t* grid, const uint8_t* signs, __nv_bfloat16* __restrict__ out) {
   using U = QuantUnit<T>;
-  const int64_t units_per_row = k / 32;
+  constexpr int kUnitWeights = 32 * U::kSub;
+  const int64_t units_per_row = (k + kUnitWeights - 1) / kUnitWeights;
   const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (unit >= n * units_per_row) return;
-  const int64_t row = unit / units_per_row, u = unit % units_per_row;
-  const uint8_t* blk = w + row * row_bytes + (u / U::kUnitsPerBlock) * U::kBlockBytes;
-  const Unit32 d = U::decode(blk, static_cast<int>(u % U::kUnitsPerBlock), Iq2Tables{grid, signs});
-  uint4 packed[4];
-  auto* h = reinterpret_cast<__nv_bfloat162*>(packed);
+  const int64_t row = unit / units_per_row;
+  const int u = static_cast<int>(unit % units_per_row);
+  const int64_t left = k / 32 - int64_t{u} * U::kSub;
+  const int valid = left < U::kSub ? static_cast<int>(left) : U::kSub;
+  int part;
+  const uint8_t* at = unit_address<U>(w + row * row_bytes, u, part);
+  Unit32 d[U::kSub];
+  U::decode(at, part, Iq2Tables{grid, signs}, d, valid);
+  __nv_bfloat16* dst_row = out + row * k + int64_t{u} * kUnitWeights;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float a = i < 4 ? d.a0 : d.a1;
-    const float b = i < 4 ? d.b0 : d.b1;
-    const int q = d.q[i];
-    float v[4];
+  for (int j = 0; j < U::kSub; ++j) {
+    if (j < valid) {
+      uint4 packed[4];
+      auto* h = reinterpret_cast<__nv_bfloat162*>(packed);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = a * static_cast<float>(static_cast<int8_t>(q >> (8 * j))) - b;
-    h[2 * i] = __floats2bfloat162_rn(v[0], v[1]);
-    h[2 * i + 1] = __floats2bfloat162_rn(v[2], v[3]);
+      for (int i = 0; i < 8; ++i) {
+        const float a = i < 4 ? d[j].a0 : d[j].a1;
+        const float b = i < 4 ? d[j].b0 : d[j].b1;
+        const int q = d[j].q[i];
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = a * static_cast<float>(static_cast<int8_t>(q >> (8 * e))) - b;
+        h[2 * i] = __floats2bfloat162_rn(v[0], v[1]);
+        h[2 * i + 1] = __floats2bfloat162_rn(v[2], v[3]);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(dst_row + 32 * j);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[i] = packed[i];
+    }
   }
-  uint4* dst = reinterpret_cast<uint4*>(out + unit * 32);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) dst[i] = packed[i];
 }
 
 __global__ void f32_to_bf16_kernel(const float* __restrict__ x, int64_t count, __nv_bfloat16* __restrict__ out) {
@@ -58,7 +71,7 @@ Status launch_dequantize(const void* w, int64_t n, int64_t k, __nv_bfloat16* out
   const uint8_t* signs = nullptr;
   if constexpr (T == GgmlType::IQ2_XXS) DSV4_TRY(detail::iq2_tables(&grid, &signs));
   const auto& traits = ggml_traits(T);
-  const int64_t units = n * (k / 32);
+  const int64_t units = n * ((k + 32 * QuantUnit<T>::kSub - 1) / (32 * QuantUnit<T>::kSub));
   constexpr int kThreads = 256;
   dequantize_bf16_kernel<T><<<static_cast<unsigned>((units + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(w), n, k, static_cast<int64_t>(k / traits.block_elems * traits.block_bytes), grid,

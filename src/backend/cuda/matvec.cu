@@ -1,5 +1,7 @@
 #include "backend/cuda/matvec.h"
 
+#include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/activation_quant.h"
@@ -23,6 +25,32 @@ Status launch_rows(const MatvecArgs& a, int rows, cudaStream_t stream) {
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int> g_programmatic_launch{-1};  // -1: not read from the environment yet
+}  // namespace
+
+void set_programmatic_launch(bool enabled) { g_programmatic_launch = enabled ? 1 : 0; }
+
+bool programmatic_launch() {
+  int v = g_programmatic_launch.load();
+  if (v < 0) {
+    const char* env = std::getenv("DSV4_CUDA_PDL");
+    v = (env != nullptr && std::string(env) == "0") ? 0 : 1;
+    g_programmatic_launch = v;
+  }
+  return v == 1;
+}
+
+namespace detail {
+bool programmatic_launch_enabled() { return programmatic_launch(); }
+}  // namespace detail
+
+Status prepare_matvec_tables() {
+  const uint64_t* grid = nullptr;
+  const uint8_t* signs = nullptr;
+  return detail::iq2_tables(&grid, &signs);
+}
 
 bool matvec_supported(GgmlType type) {
   switch (type) {
@@ -69,7 +97,6 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.row_bytes = static_cast<int64_t>(w.k / traits.block_elems * traits.block_bytes);
   a.matrix_stride = w.batch_stride_bytes != 0 ? w.batch_stride_bytes : a.row_bytes * w.n;
   a.n = w.n;
-  a.units_per_row = static_cast<int>(w.k / 32);
   a.n_tasks = w.batch;
   a.act_rows = rows;
   a.act.k = w.k;

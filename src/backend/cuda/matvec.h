@@ -17,6 +17,10 @@ namespace dsv4::cuda {
 // Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4, IQ2_XXS, BF16.
 bool matvec_supported(GgmlType type);
 
+// Uploads the constant tables the kernels use (IQ2_XXS's grid). Done on first use otherwise;
+// call it before capturing CUDA graphs, where the upload is not allowed.
+Status prepare_matvec_tables();
+
 // Row-major weights [batch][n][k] in GGUF's block layout. The data must start 16-byte
 // aligned and stay readable up to the next multiple of 16 bytes past its end (the kernel
 // copies whole 16-byte chunks); matrices of a batch may start anywhere.
@@ -30,6 +34,13 @@ struct MatvecWeights {
 };
 
 inline constexpr int kMatvecMaxRows = 16;
+
+// Programmatic dependent launch for the matvec-family kernels (matvec, moe_experts,
+// activation quantisation): each may start while the previous kernel in its stream finishes,
+// streaming constant weights before waiting for its inputs. On by default; the environment
+// variable DSV4_CUDA_PDL=0 turns it off at start. Process-wide; set it before capturing graphs.
+void set_programmatic_launch(bool enabled);
+bool programmatic_launch();
 
 // Scratch for the quantised activations of batch * rows rows (0 for BF16).
 size_t matvec_workspace_bytes(const MatvecWeights& w, int rows);

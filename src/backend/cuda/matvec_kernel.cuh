@@ -43,7 +43,8 @@ struct MatvecArgs {
   int64_t matrix_stride = 0;                 // bytes between consecutive matrices / experts
   int64_t row_bytes = 0;
   int64_t n = 0;  // output rows per matrix
-  int units_per_row = 0;
+  int units_per_row = 0;  // wide units (Policy::kUnitWeights weights each)
+  int lanes_per_row = 32;  // lanes sharing one row: a power of two; 32 / it rows at a time
   int rows_per_group = 1;
   int64_t row_blocks = 0;
   int segment_stride = 0;  // bytes of one source's rows in a stage
@@ -77,32 +78,55 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Programmatic dependent launch (PDL): a kernel launched with it may start while the previous
+// kernel in the stream finishes; griddepcontrol.wait blocks until that kernel has completed
+// and its writes are visible (a no-op without PDL). launch_dependents lets the next kernel
+// start early in turn.
+__device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void allow_next_kernel() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 template <GgmlType T>
 struct QuantPolicy {
   using Unit = QuantUnit<T>;
   static constexpr bool kIq2 = T == GgmlType::IQ2_XXS;
+  static constexpr int kUnitWeights = 32 * Unit::kSub;
   template <int NR>
   __device__ static void accumulate(const uint8_t* row, int unit, const ActView& act, const int (&rows)[NR],
                                     int n_rows, float (&acc)[NR], const Iq2Tables& tables) {
-    const Unit32 u = Unit::decode(row + (unit / Unit::kUnitsPerBlock) * Unit::kBlockBytes,
-                                  unit % Unit::kUnitsPerBlock, tables);
+    // Sub-units past the row's end (MXFP4 and Q8_0 rows of an odd number of 128-weight units).
+    const int valid = min(Unit::kSub, static_cast<int>(act.k / 32) - unit * Unit::kSub);
+    int part;
+    const uint8_t* at = unit_address<Unit>(row, unit, part);
+    Unit32 u[Unit::kSub];
+    Unit::decode(at, part, tables, u, valid);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       if (r < n_rows) {
-        const int64_t base = static_cast<int64_t>(rows[r]) * act.k + 32 * unit;
-        const int4 x0 = __ldg(reinterpret_cast<const int4*>(act.q + base));
-        const int4 x1 = __ldg(reinterpret_cast<const int4*>(act.q + base + 16));
-        const float dx = __ldg(act.d + base / 32);
-        const float2 s = __ldg(reinterpret_cast<const float2*>(act.s16 + base / 16));
-        int lo = __dp4a(u.q[0], x0.x, 0);
-        lo = __dp4a(u.q[1], x0.y, lo);
-        lo = __dp4a(u.q[2], x0.z, lo);
-        lo = __dp4a(u.q[3], x0.w, lo);
-        int hi = __dp4a(u.q[4], x1.x, 0);
-        hi = __dp4a(u.q[5], x1.y, hi);
-        hi = __dp4a(u.q[6], x1.z, hi);
-        hi = __dp4a(u.q[7], x1.w, hi);
-        acc[r] += dx * (u.a0 * static_cast<float>(lo) + u.a1 * static_cast<float>(hi)) - (u.b0 * s.x + u.b1 * s.y);
+        const int64_t base = static_cast<int64_t>(rows[r]) * act.k + static_cast<int64_t>(unit) * kUnitWeights;
+        const int4* xq = reinterpret_cast<const int4*>(act.q + base);
+        const float* xd = act.d + base / 32;
+        const float2* xs = reinterpret_cast<const float2*>(act.s16 + base / 16);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < Unit::kSub; ++j) {
+          if (j < valid) {
+            const int4 x0 = __ldg(xq + 2 * j);
+            const int4 x1 = __ldg(xq + 2 * j + 1);
+            const float dx = __ldg(xd + j);
+            const float2 s = __ldg(xs + j);
+            int lo = __dp4a(u[j].q[0], x0.x, 0);
+            lo = __dp4a(u[j].q[1], x0.y, lo);
+            lo = __dp4a(u[j].q[2], x0.z, lo);
+            lo = __dp4a(u[j].q[3], x0.w, lo);
+            int hi = __dp4a(u[j].q[4], x1.x, 0);
+            hi = __dp4a(u[j].q[5], x1.y, hi);
+            hi = __dp4a(u[j].q[6], x1.z, hi);
+            hi = __dp4a(u[j].q[7], x1.w, hi);
+            sum += dx * (u[j].a0 * static_cast<float>(lo) + u[j].a1 * static_cast<float>(hi)) -
+                   (u[j].b0 * s.x + u[j].b1 * s.y);
+          }
+        }
+        acc[r] += sum;
       }
     }
   }
@@ -110,6 +134,7 @@ struct QuantPolicy {
 
 struct Bf16Policy {
   static constexpr bool kIq2 = false;
+  static constexpr int kUnitWeights = 32;
   template <int NR>
   __device__ static void accumulate(const uint8_t* row, int unit, const ActView& act, const int (&rows)[NR],
                                     int n_rows, float (&acc)[NR], const Iq2Tables&) {
@@ -175,9 +200,11 @@ __device__ __forceinline__ void issue_group(const MatvecArgs& a, int64_t g, int6
   cp_async_commit();
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum over each aligned group of `width` lanes (a power of two); every lane takes part.
+__device__ __forceinline__ float group_sum(float v, int width) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  for (int o = 16; o > 0; o >>= 1)
+    if (o < width) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
   return v;
 }
 
@@ -215,7 +242,11 @@ __device__ __forceinline__ void compute_group(const MatvecArgs& a, int64_t g, co
     }
   }
 
-  for (int64_t rr = 0; rr < rows; ++rr) {
+  const int L = a.lanes_per_row;
+  const int sub_lane = lane & (L - 1);
+  for (int64_t rr0 = 0; rr0 < rows; rr0 += 32 / L) {
+    const int64_t rr = rr0 + lane / L;
+    const bool active = rr < rows;
     float acc[2][NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = 0.0f;
@@ -223,21 +254,22 @@ __device__ __forceinline__ void compute_group(const MatvecArgs& a, int64_t g, co
       const uint8_t* src = source_rows<M>(a, task, s, r0);
       const uint8_t* row = stage + s * a.segment_stride + (reinterpret_cast<uintptr_t>(src) & 15) + rr * a.row_bytes;
       if constexpr (M == MatvecMode::kDownSum) act_rows[0] = static_cast<int>(task * a.top_k + s);
+      if (!active) continue;
       if (M == MatvecMode::kGateUp && s == 1) {
-        for (int u = lane; u < a.units_per_row; u += 32)
+        for (int u = sub_lane; u < a.units_per_row; u += L)
           Policy::template accumulate<NR>(row, u, a.act, act_rows, n_act, acc[1], tables);
       } else {
-        for (int u = lane; u < a.units_per_row; u += 32)
+        for (int u = sub_lane; u < a.units_per_row; u += L)
           Policy::template accumulate<NR>(row, u, a.act, act_rows, n_act, acc[0], tables);
       }
     }
     const int64_t i = r0 + rr;
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
-      const float v0 = warp_sum(acc[0][r]);
+      const float v0 = group_sum(acc[0][r], L);
       float v1 = 0.0f;
-      if constexpr (M == MatvecMode::kGateUp) v1 = warp_sum(acc[1][r]);
-      if (lane == 0 && r < n_act) {
+      if constexpr (M == MatvecMode::kGateUp) v1 = group_sum(acc[1][r], L);
+      if (active && sub_lane == 0 && r < n_act) {
         float v = v0;
         if constexpr (M == MatvecMode::kGateUp) {
           const float gate = fminf(v0, a.limit);
@@ -264,6 +296,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_kernel(const Matve
     tables = {grid, signs};
     stages = smem + kIq2TableBytes;
   }
+  allow_next_kernel();
+  // Weights of a plain product are constant: start streaming them before the activations
+  // are ready. Expert modes read routing and tile tables made by earlier kernels first.
+  if constexpr (M != MatvecMode::kPlain) wait_for_previous_kernel();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint8_t* ring = stages + static_cast<int64_t>(warp) * kStages * a.stage_bytes;
   int64_t n_tasks = a.n_tasks;
@@ -275,6 +311,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_kernel(const Matve
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue_group<M>(a, first + s * stride, total, ring + s * a.stage_bytes, lane);
+  if constexpr (M == MatvecMode::kPlain) wait_for_previous_kernel();
   for (int64_t it = 0;; ++it) {
     const int64_t g = first + it * stride;
     if (g >= total) break;

@@ -15,6 +15,10 @@ namespace dsv4::cuda::detail {
 // ggml's IQ2_XXS grid and sign tables in device memory (iq2_tables.cu).
 Status iq2_tables(const uint64_t** grid, const uint8_t** signs);
 
+// Whether matvec-family kernels launch with programmatic dependent launch (default on;
+// environment DSV4_CUDA_PDL=0 or set_programmatic_launch(false) turns it off).
+bool programmatic_launch_enabled();
+
 inline Result<int> sm_count() {
   static int count = 0;
   if (count == 0) {
@@ -35,8 +39,11 @@ inline constexpr int kMaxSharedBytes = 227 * 1024;
 template <class Policy, int NR, MatvecMode M>
 Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
   if (a.n <= 0 || max_tasks <= 0) return Status::ok();
+  a.units_per_row = static_cast<int>((a.act.k + Policy::kUnitWeights - 1) / Policy::kUnitWeights);
+  a.lanes_per_row = 1;
+  while (a.lanes_per_row < 32 && a.lanes_per_row < a.units_per_row) a.lanes_per_row *= 2;
   int64_t rows = std::max<int64_t>(1, kGroupTargetBytes / (sources * a.row_bytes));
-  rows = std::min(rows, a.n);
+  rows = std::min(std::max<int64_t>(rows, 32 / a.lanes_per_row), a.n);  // a pass of the warp fills every lane
   a.rows_per_group = static_cast<int>(rows);
   a.row_blocks = (a.n + rows - 1) / rows;
   a.segment_stride = static_cast<int>((rows * a.row_bytes + 15 + 15) / 16 * 16 + 16);
@@ -65,8 +72,19 @@ Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t 
   const int64_t groups = max_tasks * a.row_blocks;
   const int64_t wanted = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{sms} * std::max(blocks_per_sm, 1)));
-  kernel<<<static_cast<unsigned>(grid), kWarpsPerBlock * 32, static_cast<size_t>(smem), stream>>>(a);
-  DSV4_CUDA_TRY_LAUNCH();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(kWarpsPerBlock * 32);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  if (programmatic_launch_enabled()) {
+    config.attrs = &pdl;
+    config.numAttrs = 1;
+  }
+  DSV4_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, a));
   return Status::ok();
 }
 

@@ -202,7 +202,6 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   a.row_bytes = static_cast<int64_t>(w.hidden / gu.block_elems * gu.block_bytes);
   a.matrix_stride = a.row_bytes * w.ffn;
   a.n = w.ffn;
-  a.units_per_row = static_cast<int>(w.hidden / 32);
   if (decode) {
     a.n_tasks = pairs;
   } else {
@@ -231,7 +230,6 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   d.row_bytes = static_cast<int64_t>(w.ffn / dt.block_elems * dt.block_bytes);
   d.matrix_stride = d.row_bytes * w.hidden;
   d.n = w.hidden;
-  d.units_per_row = static_cast<int>(w.ffn / 32);
   set_activations(d, w.down_type, h, hq, w.ffn);
   if (decode) {
     d.n_tasks = tokens;
