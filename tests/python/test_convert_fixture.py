@@ -8,6 +8,7 @@ bound for requantised tensors (q8).
 """
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -193,6 +194,36 @@ class ConvertFixtureTest(unittest.TestCase):
 
     def test_q8_recipe_within_bounds(self):
         self.check("q8", {"F32", "I32"}, {"Q8_0": 1 / 127, "BF16": 1 / 128, "MXFP4": 1 / 3})
+
+    def test_info_accepts_the_converted_file(self):
+        self.convert("bf16")
+        out = os.path.join(self.tmp.name, "tiny-bf16.gguf")
+        r = subprocess.run([CLI, "info", out], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("catalog check: ok", r.stdout)
+        self.assertIn("architecture: deepseek4", r.stdout)
+
+    def test_refuses_to_overwrite_without_force(self):
+        out = os.path.join(self.tmp.name, "precious.gguf")
+        with open(out, "w") as f:
+            f.write("keep me")
+        r = subprocess.run([CLI, "convert", CHECKPOINT, "-o", out], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("--force", r.stderr)
+        with open(out) as f:
+            self.assertEqual(f.read(), "keep me")
+
+    def test_truncated_checkpoint_fails_without_output(self):
+        broken = os.path.join(self.tmp.name, "broken")
+        shutil.copytree(CHECKPOINT, broken)
+        shard = os.path.join(broken, "model.safetensors")
+        os.truncate(shard, os.path.getsize(shard) - 4096)
+        out = os.path.join(self.tmp.name, "broken.gguf")
+        r = subprocess.run([CLI, "convert", broken, "-o", out, "--recipe", "bf16"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("model.safetensors", r.stderr)
+        self.assertIn("truncated", r.stderr)
+        self.assertEqual([f for f in os.listdir(self.tmp.name) if f.startswith("broken.gguf")], [])
 
     def test_all_f32_override_is_exact(self):
         reader, _ = self.convert("bf16", "--type", "all=f32")
