@@ -54,9 +54,9 @@ void add_session_flags(CLI::App& app, SessionFlags& f) {
   app.add_option("--repeat-penalty", f.repeat_penalty, "repetition penalty, 1 = off (default 1.0)");
   app.add_option("--presence-penalty", f.presence_penalty, "subtracted from the logit of every seen token");
   app.add_option("--frequency-penalty", f.frequency_penalty, "subtracted per occurrence of a seen token");
-  app.add_option("--logit-bias", f.logit_bias, "TOKEN_ID=BIAS added to that token's logit (repeatable)");
-  app.add_option("--stop", f.stop, "stop when the output contains this text (repeatable)");
-  app.add_option("--stop-token", f.stop_token, "stop at this token id, besides EOS (repeatable)");
+  app.add_option("--logit-bias", f.logit_bias, "TOKEN_ID=BIAS added to that token's logit (repeatable)")->allow_extra_args(false);
+  app.add_option("--stop", f.stop, "stop when the output contains this text (repeatable)")->allow_extra_args(false);
+  app.add_option("--stop-token", f.stop_token, "stop at this token id, besides EOS (repeatable)")->allow_extra_args(false);
   app.add_option("-n,--max-tokens", f.max_tokens, "most tokens to generate per reply (default 2048)");
   app.add_option("-s,--seed", f.seed, "random seed; the same seed gives the same output (default: random)");
 }
