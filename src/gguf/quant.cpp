@@ -145,6 +145,7 @@ bool can_quantize(GgmlType type) {
 }
 
 void quantize_row(GgmlType type, const float* src, void* dst, int64_t n) {
+  if (quant::quantize_row_vector(type, src, dst, n)) return;
   const int64_t nb = n / ggml_traits(type).block_elems;
   switch (type) {
     case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;

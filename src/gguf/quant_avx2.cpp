@@ -2,7 +2,9 @@
 // quant_decode.h (same f32 operations, products kept unfused) one block at a time; the dot
 // product decodes a block into a stack buffer and accumulates x*w with FMAs in f32.
 // Without AVX2 every entry point answers false and quant.cpp's scalar reference runs.
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "gguf/iq2xxs_tables.h"
 #include "gguf/quant_decode.h"
@@ -85,96 +87,118 @@ void decode(const block_mxfp4& b, float* out) {
   _mm256_storeu_ps(out + 24, _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), d));
 }
 
-void decode(const block_q2_K& b, float* out) {
+// ---- K-quant levels --------------------------------------------------------------------------
+// Each K-quant block is produced as 8 chunks of 32 int8 levels (all K-quant levels fit in a
+// signed byte) with, per 16 elements, the scale and offset of w = scale*q - offset. The same
+// walk feeds the float decoder and the integer dot product.
+//   sink(chunk, q, scale0, offset0, scale1, offset1)
+
+template <typename Sink>
+void levels(const block_q2_K& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d), dmin = fp16_to_f32(b.dmin);
   const __m256i qs[2] = {load32(b.qs), load32(b.qs + 32)};
-  for (int n = 0; n < 2; ++n) {
-    const __m256i bytes = qs[n];
+  for (int n = 0; n < 2; ++n)
     for (int s = 0; s < 4; ++s) {
       const int sb = n * 8 + s * 2;
       const uint8_t sc0 = b.scales[sb], sc1 = b.scales[sb + 1];
-      emit32<false, true>(bits_at(bytes, 2 * s, 3), d * static_cast<float>(sc0 & 0xF), dmin * static_cast<float>(sc0 >> 4),
-                          d * static_cast<float>(sc1 & 0xF), dmin * static_cast<float>(sc1 >> 4), out + n * 128 + s * 32);
+      sink(n * 4 + s, bits_at(qs[n], 2 * s, 3), d * static_cast<float>(sc0 & 0xF), dmin * static_cast<float>(sc0 >> 4),
+           d * static_cast<float>(sc1 & 0xF), dmin * static_cast<float>(sc1 >> 4));
     }
-  }
 }
 
-void decode(const block_q3_K& b, float* out) {
+template <typename Sink>
+void levels(const block_q3_K& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d);
   const __m256i hmask = load32(b.hmask);
   const __m256i four = _mm256_set1_epi8(4);
   const __m256i qs[2] = {load32(b.qs), load32(b.qs + 32)};
-  for (int n = 0; n < 2; ++n) {
-    const __m256i bytes = qs[n];
+  for (int n = 0; n < 2; ++n)
     for (int s = 0; s < 4; ++s) {
-      const int group = n * 4 + s;  // i / 32
+      const int chunk = n * 4 + s;  // i / 32, also the hmask bit
       // low + 4*high - 4, in [-4, 3]
-      const __m256i high4 = _mm256_slli_epi16(bits_at(hmask, group, 1), 2);
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(bits_at(bytes, 2 * s, 3), high4), four);
-      emit32<true, false>(q, d * static_cast<float>(q3_k_scale(b.scales, 2 * group)), 0.0f,
-                          d * static_cast<float>(q3_k_scale(b.scales, 2 * group + 1)), 0.0f, out + group * 32);
+      const __m256i high4 = _mm256_slli_epi16(bits_at(hmask, chunk, 1), 2);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(bits_at(qs[n], 2 * s, 3), high4), four);
+      sink(chunk, q, d * static_cast<float>(q3_k_scale(b.scales, 2 * chunk)), 0.0f,
+           d * static_cast<float>(q3_k_scale(b.scales, 2 * chunk + 1)), 0.0f);
     }
-  }
 }
 
-template <typename Block, bool kFifthBit>
-void decode_k4(const Block& b, float* out) {
+template <typename Block, bool kFifthBit, typename Sink>
+void levels_k4(const Block& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d), dmin = fp16_to_f32(b.dmin);
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFifthBit) qh = load32(b.qh);
   const __m256i qs[4] = {load32(b.qs), load32(b.qs + 32), load32(b.qs + 64), load32(b.qs + 96)};
-  for (int n = 0; n < 4; ++n) {
-    const __m256i bytes = qs[n];
+  for (int n = 0; n < 4; ++n)
     for (int half = 0; half < 2; ++half) {
       const int j = 2 * n + half;
-      __m256i q = bits_at(bytes, 4 * half, 0xF);
+      __m256i q = bits_at(qs[n], 4 * half, 0xF);
       if constexpr (kFifthBit) q = _mm256_or_si256(q, _mm256_slli_epi16(bits_at(qh, j, 1), 4));
       uint8_t sc, m;
       k4_scale_min(b.scales, j, sc, m);
       const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
-      emit32<false, true>(q, dl, ml, dl, ml, out + 32 * j);
+      sink(j, q, dl, ml, dl, ml);
     }
-  }
 }
+template <typename Sink>
+void levels(const block_q4_K& b, Sink&& sink) { levels_k4<block_q4_K, false>(b, sink); }
+template <typename Sink>
+void levels(const block_q5_K& b, Sink&& sink) { levels_k4<block_q5_K, true>(b, sink); }
 
-void decode(const block_q4_K& b, float* out) { decode_k4<block_q4_K, false>(b, out); }
-void decode(const block_q5_K& b, float* out) { decode_k4<block_q5_K, true>(b, out); }
-
-void decode(const block_q6_K& b, float* out) {
+template <typename Sink>
+void levels(const block_q6_K& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d);
   const __m256i bias = _mm256_set1_epi8(32);
   const __m256i ql[4] = {load32(b.ql), load32(b.ql + 32), load32(b.ql + 64), load32(b.ql + 96)};
   const __m256i qhs[2] = {load32(b.qh), load32(b.qh + 32)};
-  for (int n = 0; n < 2; ++n) {
-    const __m256i qh = qhs[n];
+  for (int n = 0; n < 2; ++n)
     for (int s = 0; s < 4; ++s) {
       const __m256i low = bits_at(ql[2 * n + s % 2], 4 * (s / 2), 0xF);
-      const __m256i high = _mm256_slli_epi16(bits_at(qh, 2 * s, 3), 4);
+      const __m256i high = _mm256_slli_epi16(bits_at(qhs[n], 2 * s, 3), 4);
       const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), bias);
       const int sb = n * 8 + s * 2;
-      emit32<true, false>(q, d * static_cast<float>(b.scales[sb]), 0.0f, d * static_cast<float>(b.scales[sb + 1]), 0.0f,
-                          out + n * 128 + s * 32);
+      sink(n * 4 + s, q, d * static_cast<float>(b.scales[sb]), 0.0f, d * static_cast<float>(b.scales[sb + 1]), 0.0f);
     }
-  }
 }
 
-void decode(const block_iq2_xxs& b, float* out) {
+// Levels are the signed grid magnitudes (8, 25, 43); one scale d*(0.5 + s)*0.25 per 32.
+template <typename Sink>
+void levels(const block_iq2_xxs& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d);
-  const __m256i bit_of_lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  const __m256 sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i bit_of_byte = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
   for (int g = 0; g < QK_K / 32; ++g) {
     const uint32_t indices = b.qs[4 * g] | (static_cast<uint32_t>(b.qs[4 * g + 1]) << 16);
     const uint32_t signs_scale = b.qs[4 * g + 2] | (static_cast<uint32_t>(b.qs[4 * g + 3]) << 16);
-    const __m256 db = _mm256_set1_ps(d * (0.5f + static_cast<float>(signs_scale >> 28)) * 0.25f);
-    for (int k = 0; k < 4; ++k) {
-      const __m128i grid = _mm_cvtsi64_si128(static_cast<long long>(kIq2xxsGrid[(indices >> (8 * k)) & 0xFF]));
-      const __m256i signs = _mm256_set1_epi32(kIq2xxsSigns[(signs_scale >> (7 * k)) & 127]);
-      const __m256i negate = _mm256_cmpeq_epi32(_mm256_and_si256(signs, bit_of_lane), bit_of_lane);
-      const __m256 v = _mm256_mul_ps(db, u8x8_to_ps(grid));
-      _mm256_storeu_ps(out + g * 32 + k * 8, _mm256_xor_ps(v, _mm256_and_ps(_mm256_castsi256_ps(negate), sign_bit)));
-    }
+    const float db = d * (0.5f + static_cast<float>(signs_scale >> 28)) * 0.25f;
+    auto grid = [&](int k) { return static_cast<long long>(kIq2xxsGrid[(indices >> (8 * k)) & 0xFF]); };
+    auto signs = [&](int k) {
+      return static_cast<long long>(kIq2xxsSigns[(signs_scale >> (7 * k)) & 127] * 0x0101010101010101ull);
+    };
+    const __m256i mag = _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3));
+    const __m256i sign_bytes = _mm256_setr_epi64x(signs(0), signs(1), signs(2), signs(3));
+    const __m256i negate = _mm256_cmpeq_epi8(_mm256_and_si256(sign_bytes, bit_of_byte), bit_of_byte);
+    const __m256i q = _mm256_sub_epi8(_mm256_xor_si256(mag, negate), negate);  // -mag where negate
+    sink(g, q, db, 0.0f, db, 0.0f);
   }
 }
+
+template <typename Block>
+constexpr bool kHasOffset = std::is_same_v<Block, block_q2_K> || std::is_same_v<Block, block_q4_K> ||
+                            std::is_same_v<Block, block_q5_K>;
+
+// The float decoder of every K-quant (and IQ2_XXS): scale*q - offset, products unfused.
+template <typename Block>
+void decode_levels(const Block& b, float* out) {
+  levels(b, [&](int chunk, __m256i q, float s0, float o0, float s1, float o1) {
+    emit32<true, kHasOffset<Block>>(q, s0, o0, s1, o1, out + 32 * chunk);
+  });
+}
+void decode(const block_q2_K& b, float* out) { decode_levels(b, out); }
+void decode(const block_q3_K& b, float* out) { decode_levels(b, out); }
+void decode(const block_q4_K& b, float* out) { decode_levels(b, out); }
+void decode(const block_q5_K& b, float* out) { decode_levels(b, out); }
+void decode(const block_q6_K& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq2_xxs& b, float* out) { decode_levels(b, out); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -238,6 +262,95 @@ float dot_plain(GgmlType type, const void* row, const float* x, int64_t n) {
   return sum;
 }
 
+// ---- integer dot products with quantised activations ---------------------------------------
+
+// sum over pairs of q*y as 8 int32 lanes (lanes 0-3: bytes 0-15, lanes 4-7: bytes 16-31).
+// maddubs needs an unsigned operand: |q| times y carrying q's sign (|q| <= 43 here, so the
+// int16 pair sums cannot saturate).
+inline __m256i dot_i8_lanes(__m256i q, __m256i y) {
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+template <typename Block>
+float dot_q8_K_blocks(const void* row, const block_q8_K* act, int64_t nb) {
+  const Block* blocks = static_cast<const Block*>(row);
+  __m256 acc = _mm256_setzero_ps();
+  float offsets = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const block_q8_K& a = act[b];
+    __m256 block_acc = _mm256_setzero_ps();
+    float block_offsets = 0.0f;
+    levels(blocks[b], [&](int chunk, __m256i q, float s0, float o0, float s1, float o1) {
+      const __m256i sums = dot_i8_lanes(q, load32(reinterpret_cast<const uint8_t*>(a.qs) + 32 * chunk));
+      const __m256 scale = _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1));
+      block_acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, block_acc);
+      if constexpr (kHasOffset<Block>)
+        block_offsets += o0 * static_cast<float>(a.bsums[2 * chunk]) + o1 * static_cast<float>(a.bsums[2 * chunk + 1]);
+    });
+    acc = _mm256_fmadd_ps(block_acc, _mm256_set1_ps(a.d), acc);
+    offsets += a.d * block_offsets;
+  }
+  return hsum(acc) - offsets;
+}
+
+inline __m256i mxfp4_levels(const block_mxfp4& b) {
+  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(codes, nibble));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(codes, 4), nibble));
+  return _mm256_setr_m128i(lo, hi);
+}
+
+float dot_q8_0_blocks(GgmlType type, const void* row, const block_q8_0* act, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i q;
+    float scale;
+    if (type == GgmlType::MXFP4) {
+      const block_mxfp4& w = static_cast<const block_mxfp4*>(row)[b];
+      q = mxfp4_levels(w);
+      scale = e8m0_to_f32_half(w.e);
+    } else {
+      const block_q8_0& w = static_cast<const block_q8_0*>(row)[b];
+      q = load32(reinterpret_cast<const uint8_t*>(w.qs));
+      scale = _cvtsh_ss(w.d);  // the hardware conversion: exact, and this path need not keep NaN payloads
+    }
+    const __m256i sums = dot_i8_lanes(q, load32(reinterpret_cast<const uint8_t*>(act[b].qs)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale * _cvtsh_ss(act[b].d)), acc);
+  }
+  return hsum(acc);
+}
+
+// ggml's quantize_row_q8_0_ref, 8 lanes at a time: q = roundf(x / d), roundf being round
+// half away from zero (truncate, then step away from zero when the dropped part is >= 1/2).
+void quantize_q8_0_blocks(const float* x, block_q8_0* y, int64_t nb) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  for (int64_t b = 0; b < nb; ++b, x += QK8_0) {
+    __m256 v[4];
+    float amax = 0.0f;
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
+    for (int i = 0; i < QK8_0; ++i) amax = amax > std::fabs(x[i]) ? amax : std::fabs(x[i]);
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    y[b].d = f32_to_fp16(d);
+    __m256i q32[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 scaled = _mm256_mul_ps(v[k], _mm256_set1_ps(id));
+      const __m256 t = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __m256 away = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(scaled, t), abs_mask), half, _CMP_GE_OQ);
+      const __m256 step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_andnot_ps(abs_mask, scaled)));
+      q32[k] = _mm256_cvtps_epi32(_mm256_add_ps(t, step));
+    }
+    // int32 -> int8 with the lane interleaving of the packs undone.
+    const __m256i q16a = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y[b].qs), q8);
+  }
+}
+
 }  // namespace
 
 bool dot_row_f32_vector(GgmlType type, const void* row, const float* x, int64_t n, float* result) {
@@ -266,6 +379,23 @@ bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n
       for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
       return true;
     }
+    case GgmlType::F16: {
+      // F16C, except for 8-element groups holding an fp16 exponent of all ones: the hardware
+      // quiets signalling NaNs, the scalar path keeps every payload bit (as numpy does).
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      const __m128i exp_mask = _mm_set1_epi16(0x7C00);
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+        if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(h, exp_mask), exp_mask)) == 0) {
+          _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+        } else {
+          for (int k = 0; k < 8; ++k) dst[i + k] = fp16_to_f32(s[i + k]);
+        }
+      }
+      for (; i < n; ++i) dst[i] = fp16_to_f32(s[i]);
+      return true;
+    }
     case GgmlType::Q8_0: dequant_blocks<block_q8_0, QK8_0>(src, dst, n); return true;
     case GgmlType::MXFP4: dequant_blocks<block_mxfp4, QK_MXFP4>(src, dst, n); return true;
     case GgmlType::Q2_K: dequant_blocks<block_q2_K, QK_K>(src, dst, n); return true;
@@ -274,14 +404,55 @@ bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n
     case GgmlType::Q5_K: dequant_blocks<block_q5_K, QK_K>(src, dst, n); return true;
     case GgmlType::Q6_K: dequant_blocks<block_q6_K, QK_K>(src, dst, n); return true;
     case GgmlType::IQ2_XXS: dequant_blocks<block_iq2_xxs, QK_K>(src, dst, n); return true;
-    default: return false;  // F32 and F16 (exact NaN payloads) take the scalar path
+    default: return false;  // F32 is a copy
   }
+}
+
+bool dot_row_quantized_vector(GgmlType type, const void* row, const void* act, int64_t n, float* result) {
+  const auto* q8_K = static_cast<const block_q8_K*>(act);
+  switch (type) {
+    case GgmlType::Q8_0:
+    case GgmlType::MXFP4: *result = dot_q8_0_blocks(type, row, static_cast<const block_q8_0*>(act), n / QK8_0); return true;
+    case GgmlType::Q2_K: *result = dot_q8_K_blocks<block_q2_K>(row, q8_K, n / QK_K); return true;
+    case GgmlType::Q3_K: *result = dot_q8_K_blocks<block_q3_K>(row, q8_K, n / QK_K); return true;
+    case GgmlType::Q4_K: *result = dot_q8_K_blocks<block_q4_K>(row, q8_K, n / QK_K); return true;
+    case GgmlType::Q5_K: *result = dot_q8_K_blocks<block_q5_K>(row, q8_K, n / QK_K); return true;
+    case GgmlType::Q6_K: *result = dot_q8_K_blocks<block_q6_K>(row, q8_K, n / QK_K); return true;
+    case GgmlType::IQ2_XXS: *result = dot_q8_K_blocks<block_iq2_xxs>(row, q8_K, n / QK_K); return true;
+    default: return false;
+  }
+}
+
+bool quantize_row_vector(GgmlType type, const float* src, void* dst, int64_t n) {
+  if (type == GgmlType::Q8_0) {
+    quantize_q8_0_blocks(src, static_cast<block_q8_0*>(dst), n / QK8_0);
+    return true;
+  }
+  if (type == GgmlType::F16) {
+    // F16C rounds to nearest even like f32_to_fp16; groups with a NaN take the scalar path
+    // so the NaN encoding is the one f32_to_fp16 defines.
+    uint16_t* out = static_cast<uint16_t*>(dst);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(src + i);
+      if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) == 0) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+      } else {
+        for (int k = 0; k < 8; ++k) out[i + k] = f32_to_fp16(src[i + k]);
+      }
+    }
+    for (; i < n; ++i) out[i] = f32_to_fp16(src[i]);
+    return true;
+  }
+  return false;
 }
 
 #else  // no AVX2
 
 bool dot_row_f32_vector(GgmlType, const void*, const float*, int64_t, float*) { return false; }
 bool dequantize_row_vector(GgmlType, const void*, float*, int64_t) { return false; }
+bool dot_row_quantized_vector(GgmlType, const void*, const void*, int64_t, float*) { return false; }
+bool quantize_row_vector(GgmlType, const float*, void*, int64_t) { return false; }
 
 #endif
 

@@ -1,4 +1,4 @@
-// The fast CPU path: activations quantised once per row (ggml's Q8_0 blocks of 32, or Q8_K
+// The fast CPU path (the portable version; quant_avx2.cpp has the vector one): activations quantised once per row (ggml's Q8_0 blocks of 32, or Q8_K
 // super-blocks of 256 with per-16 sums), then integer products with the weights' levels.
 //
 // Every weight block is viewed as int8 levels q with, per 16 elements s, a float scale a_s
@@ -248,6 +248,8 @@ void quantize_activations(GgmlType act_type, const float* x, void* dst, int64_t 
 }
 
 float dot_row_quantized(GgmlType weight_type, const void* row, const void* act, int64_t n) {
+  float vector_result;
+  if (quant::dot_row_quantized_vector(weight_type, row, act, n, &vector_result)) return vector_result;
   const auto* q8_0 = static_cast<const block_q8_0*>(act);
   const auto* q8_K = static_cast<const block_q8_K*>(act);
   switch (weight_type) {

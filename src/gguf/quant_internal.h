@@ -19,6 +19,10 @@ void quantize_blocks_q6_K(const float* x, block_q6_K* y, int64_t nb);
 // has no vector path on this machine (the caller then uses the scalar reference).
 bool dot_row_f32_vector(GgmlType type, const void* row, const float* x, int64_t n, float* result);
 bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n);
+// Integer dot products against Q8_0 / Q8_K activations (quant_dot_int.cpp is the fallback).
+bool dot_row_quantized_vector(GgmlType type, const void* row, const void* act, int64_t n, float* result);
+// Byte-identical vector versions of quantisers (Q8_0, F16).
+bool quantize_row_vector(GgmlType type, const float* src, void* dst, int64_t n);
 
 // The scalar reference dot product: decode one block into a stack buffer, f32 FMA.
 float dot_row_f32_scalar(GgmlType type, const void* row, const float* x, int64_t n);

@@ -123,6 +123,22 @@ TEST(QuantBlocks, DotRowF32PropagatesNaN) {
   }
 }
 
+// The vector F16 encoder against the scalar one on every kind of f32 (NaN, infinities,
+// subnormals, values past fp16's range), and the decoder on every fp16 code.
+TEST(QuantBlocks, F16RowsMatchScalarConversionsOnAllBitPatterns) {
+  std::mt19937_64 rng(test::test_seed());
+  const int64_t n = 1 << 16;
+  std::vector<float> x(static_cast<size_t>(n));
+  for (auto& v : x) v = f32_from_bits(static_cast<uint32_t>(rng()));
+  std::vector<uint16_t> h(static_cast<size_t>(n), 0xA5A5);
+  quantize_row(GgmlType::F16, x.data(), h.data(), n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(h[i], f32_to_fp16(x[i])) << "bits " << f32_to_bits(x[i]);
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<uint16_t>(i);
+  std::vector<float> back(static_cast<size_t>(n));
+  dequantize_row(GgmlType::F16, h.data(), back.data(), n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(f32_to_bits(back[i]), f32_to_bits(fp16_to_f32(h[i]))) << i;
+}
+
 // Relative RMS error of quantise -> dequantise on standard-normal rows, with the bound each
 // type must meet (measured values and ggml's are in docs/QUANT.md; the bounds leave ~10%).
 struct RoundTripCase {
