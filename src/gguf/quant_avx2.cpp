@@ -207,6 +207,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 // sum of w[i]*x[i] over `elems` (a multiple of 32) with four accumulators.
 inline void fma_block(const float* w, const float* x, int elems, __m256 acc[4]) {
   for (int i = 0; i < elems; i += 32)
@@ -330,9 +337,11 @@ void quantize_q8_0_blocks(const float* x, block_q8_0* y, int64_t nb) {
   const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
   for (int64_t b = 0; b < nb; ++b, x += QK8_0) {
     __m256 v[4];
-    float amax = 0.0f;
     for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
-    for (int i = 0; i < QK8_0; ++i) amax = amax > std::fabs(x[i]) ? amax : std::fabs(x[i]);
+    // max is order-independent for non-NaN input, so the lanes may reduce in any order.
+    const __m256 m01 = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
+    const __m256 m23 = _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask));
+    const float amax = hmax(_mm256_max_ps(m01, m23));
     const float d = amax / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     y[b].d = f32_to_fp16(d);
@@ -408,6 +417,54 @@ bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n
   }
 }
 
+namespace {
+
+// ggml's quantize_row_q8_K_ref, vectorised: scale -127/max from the signed value of largest
+// magnitude (the first such), levels rounded to nearest even and capped at 127, per-16 sums.
+void quantize_q8_K_blocks(const float* x, block_q8_K* y, int64_t nb) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < nb; ++b, x += QK_K) {
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < QK_K; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+    const float amax = hmax(m);
+    if (amax == 0.0f) {
+      std::memset(&y[b], 0, sizeof y[b]);
+      continue;
+    }
+    float max = 0.0f;
+    for (int i = 0; i < QK_K; ++i)
+      if (std::fabs(x[i]) == amax) {
+        max = x[i];
+        break;
+      }
+    const float iscale = -127.f / max;
+    const __m256 scale = _mm256_set1_ps(iscale);
+    for (int i = 0; i < QK_K; i += 32) {
+      __m256i q32[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), scale),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q32[k] = _mm256_min_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127));
+      }
+      const __m256i q16a = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+      const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y[b].qs + i), q8);
+      // Per-16 sums: widen to int16, add neighbours pairwise, then fold.
+      const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q8));
+      const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q8, 1));
+      const __m256i s32lo = _mm256_madd_epi16(lo, _mm256_set1_epi16(1)), s32hi = _mm256_madd_epi16(hi, _mm256_set1_epi16(1));
+      const __m256i h = _mm256_hadd_epi32(s32lo, s32hi);
+      const __m256i h2 = _mm256_hadd_epi32(h, h);
+      const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h2), _mm256_extracti128_si256(h2, 1));
+      y[b].bsums[i / 16] = static_cast<int16_t>(_mm_cvtsi128_si32(sums));
+      y[b].bsums[i / 16 + 1] = static_cast<int16_t>(_mm_extract_epi32(sums, 1));
+    }
+    y[b].d = 1 / iscale;
+  }
+}
+
+}  // namespace
+
 bool dot_row_quantized_vector(GgmlType type, const void* row, const void* act, int64_t n, float* result) {
   const auto* q8_K = static_cast<const block_q8_K*>(act);
   switch (type) {
@@ -421,6 +478,11 @@ bool dot_row_quantized_vector(GgmlType type, const void* row, const void* act, i
     case GgmlType::IQ2_XXS: *result = dot_q8_K_blocks<block_iq2_xxs>(row, q8_K, n / QK_K); return true;
     default: return false;
   }
+}
+
+bool quantize_q8_K_vector(const float* src, block_q8_K* dst, int64_t n) {
+  quantize_q8_K_blocks(src, dst, n / QK_K);
+  return true;
 }
 
 bool quantize_row_vector(GgmlType type, const float* src, void* dst, int64_t n) {
@@ -453,6 +515,7 @@ bool dot_row_f32_vector(GgmlType, const void*, const float*, int64_t, float*) { 
 bool dequantize_row_vector(GgmlType, const void*, float*, int64_t) { return false; }
 bool dot_row_quantized_vector(GgmlType, const void*, const void*, int64_t, float*) { return false; }
 bool quantize_row_vector(GgmlType, const float*, void*, int64_t) { return false; }
+bool quantize_q8_K_vector(const float*, block_q8_K*, int64_t) { return false; }
 
 #endif
 

@@ -242,7 +242,9 @@ GgmlType dot_activation_type(GgmlType weight_type) {
 void quantize_activations(GgmlType act_type, const float* x, void* dst, int64_t n) {
   switch (act_type) {
     case GgmlType::Q8_0: quantize_row(GgmlType::Q8_0, x, dst, n); return;
-    case GgmlType::Q8_K: quantize_q8_K(x, static_cast<block_q8_K*>(dst), n / QK_K); return;
+    case GgmlType::Q8_K:
+      if (!quant::quantize_q8_K_vector(x, static_cast<block_q8_K*>(dst), n)) quantize_q8_K(x, static_cast<block_q8_K*>(dst), n / QK_K);
+      return;
     default: std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float)); return;
   }
 }

@@ -23,6 +23,7 @@ bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n
 bool dot_row_quantized_vector(GgmlType type, const void* row, const void* act, int64_t n, float* result);
 // Byte-identical vector versions of quantisers (Q8_0, F16).
 bool quantize_row_vector(GgmlType type, const float* src, void* dst, int64_t n);
+bool quantize_q8_K_vector(const float* src, block_q8_K* dst, int64_t n);  // same bytes as the portable one
 
 // The scalar reference dot product: decode one block into a stack buffer, f32 FMA.
 float dot_row_f32_scalar(GgmlType type, const void* row, const float* x, int64_t n);

@@ -104,6 +104,35 @@ TEST(QuantDot, Q8KActivationsMatchGgmlLayout) {
   }
 }
 
+// The activation blocks byte for byte against ggml's algorithm written out plainly
+// (quantize_row_q8_K_ref: first value of largest magnitude, -127/max, round half to even).
+TEST(QuantDot, Q8KActivationsMatchPlainReference) {
+  std::mt19937_64 rng(test::test_seed());
+  const int64_t nb = 7;
+  auto x = test::random_normal(static_cast<size_t>(nb * QK_K), rng);
+  x[QK_K + 5] = 9.0f;  // a tie of magnitudes with opposite signs: the first wins
+  x[QK_K + 9] = -9.0f;
+  for (int i = 0; i < QK_K; ++i) x[2 * QK_K + i] = 0.5f * static_cast<float>(i % 5) - 1.0f;  // exact ties
+  std::vector<block_q8_K> got(nb);
+  std::memset(got.data(), 0xA5, got.size() * sizeof(block_q8_K));
+  quantize_activations(GgmlType::Q8_K, x.data(), got.data(), nb * QK_K);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x.data() + b * QK_K;
+    float max = 0, amax = 0;
+    for (int i = 0; i < QK_K; ++i)
+      if (std::fabs(xb[i]) > amax) {
+        amax = std::fabs(xb[i]);
+        max = xb[i];
+      }
+    const float iscale = -127.f / max;
+    EXPECT_EQ(got[b].d, 1 / iscale) << b;
+    for (int i = 0; i < QK_K; ++i) {
+      const int want = std::min(127, static_cast<int>(std::nearbyint(iscale * xb[i])));
+      ASSERT_EQ(got[b].qs[i], want) << "block " << b << " element " << i;
+    }
+  }
+}
+
 TEST(QuantDot, QuantizedDotPropagatesNaNWeights) {
   // A NaN weight scale must not vanish in the integer path.
   std::mt19937_64 rng(test::test_seed());
