@@ -1,6 +1,7 @@
 // CPU forward pass throughput on the `small` synthetic preset (model/presets.h): prefill
 // tokens/s (a 64-token prompt, logits of the last token) and decode tokens/s (one token
-// per call after a 64-token prompt), at 1 and 2 threads, fp32 reference numerics.
+// per call after a 64-token prompt), at 1 and 2 threads; second argument 0: the fp32
+// reference numerics, 1: MatmulMode::Quantized (Q8 activations, integer dot products).
 //
 //   DSV4_BENCH_MODEL=small.gguf build/bench_cpu_forward
 // Without DSV4_BENCH_MODEL the model is synthesised once into the working directory
@@ -48,12 +49,14 @@ struct Loaded {
   std::unique_ptr<Model> model;
 };
 
-Model* model_for(int threads) {
-  static std::map<int, Loaded> cache;
-  Loaded& l = cache[threads];
+Model* model_for(int threads, bool fast) {
+  static std::map<std::pair<int, bool>, Loaded> cache;
+  Loaded& l = cache[{threads, fast}];
   if (!l.model) {
     l.cpu = std::make_unique<backend::CpuBackend>(threads);
-    auto m = Model::load(model_path(), *l.cpu, {});
+    ModelOptions mo;
+    mo.matmul = fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
+    auto m = Model::load(model_path(), *l.cpu, mo);
     if (!m.is_ok()) {
       std::fprintf(stderr, "%s\n", m.status().message().c_str());
       return nullptr;
@@ -72,7 +75,7 @@ std::vector<int32_t> prompt(const Model& m) {
 }
 
 void BM_Prefill(benchmark::State& state) {
-  Model* m = model_for(static_cast<int>(state.range(0)));
+  Model* m = model_for(static_cast<int>(state.range(0)), state.range(1) != 0);
   if (!m) return state.SkipWithError("no model");
   const auto tokens = prompt(*m);
   for (auto _ : state) {
@@ -84,7 +87,7 @@ void BM_Prefill(benchmark::State& state) {
 }
 
 void BM_Decode(benchmark::State& state) {
-  Model* m = model_for(static_cast<int>(state.range(0)));
+  Model* m = model_for(static_cast<int>(state.range(0)), state.range(1) != 0);
   if (!m) return state.SkipWithError("no model");
   const auto tokens = prompt(*m);
   auto seq = m->new_sequence({.max_context = 4096});
@@ -98,8 +101,8 @@ void BM_Decode(benchmark::State& state) {
   state.counters["tokens/s"] = benchmark::Counter(double(state.iterations()), benchmark::Counter::kIsRate);
 }
 
-BENCHMARK(BM_Prefill)->Arg(1)->Arg(2)->Iterations(3)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Decode)->Arg(1)->Arg(2)->Iterations(16)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Prefill)->ArgsProduct({{1, 2}, {0, 1}})->Iterations(3)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Decode)->ArgsProduct({{1, 2}, {0, 1}})->Iterations(16)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace dsv4

@@ -83,8 +83,8 @@ struct RopeParams {
 // The arithmetic of the matrix products.
 enum class MatmulMode {
   Exact,      // weights decoded exactly, fp32 activations and accumulation (reference)
-  Quantized,  // a backend may quantise activations (integer / FP8 dot products); the CPU
-              // backend computes this mode exactly until quant.h's integer path lands
+  Quantized,  // activations quantised once per row (CPU: quant.h's Q8_0/Q8_K integer
+              // dot products; exact for weight types without an integer path)
 };
 
 class Backend {

@@ -27,6 +27,7 @@ struct ScoreOptions {
   int64_t chunk = 0;  // 0: the whole sequence in one call
   bool no_qat = false;
   bool mtp = false;
+  bool fast = false;
   int threads = 0;
 };
 
@@ -69,6 +70,7 @@ Status run_score(const ScoreOptions& o) {
   backend::CpuBackend cpu(o.threads);
   ModelOptions mo;
   mo.qat = !o.no_qat;
+  mo.matmul = o.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, cpu, mo));
   const int64_t n = static_cast<int64_t>(tokens.size()), vocab = model->config().vocab_size;
   if (o.mtp && !model->has_mtp()) return Status::errorf("{}: the model has no MTP block", o.model);
@@ -113,6 +115,7 @@ void register_score(CLI::App& app, CommandRunner& run) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-qat", o->no_qat, "switch off the official QAT roundings (FP8 KV, FP4 indexer)");
   app.add_flag("--mtp", o->mtp, "write the MTP block's draft logits [tokens-1, vocab] instead");
+  app.add_flag("--fast", o->fast, "integer dot products on quantised activations (not the fp32 reference)");
   app.add_option("-t,--threads", o->threads, "CPU threads (default: all)");
   run = [o] {
     const Status s = run_score(*o);

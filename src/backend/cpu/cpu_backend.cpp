@@ -125,7 +125,21 @@ Status CpuBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Mat
   const int64_t n_in = w.cols(), n_out = w.rows(), n_rows = x.rows();
   DSV4_TRY(expect(x, "matmul", "x", GgmlType::F32, -1, n_in));
   DSV4_TRY(expect(y, "matmul", "y", GgmlType::F32, n_rows, n_out));
-  (void)mode;  // both modes are exact here (backend.h)
+  const GgmlType act = dot_activation_type(w.type);
+  if (mode == MatmulMode::Quantized && act != GgmlType::F32) {
+    // Quantise every activation row once, then integer dot products.
+    const size_t act_bytes = ggml_row_bytes(act, n_in).value_or(0);
+    std::vector<uint8_t> qx(act_bytes * n_rows);
+    pool_->parallel_for(n_rows, [&](int64_t b, int64_t e, int) {
+      for (int64_t s = b; s < e; ++s) quantize_activations(act, f32_row(x, s), &qx[s * act_bytes], n_in);
+    });
+    pool_->parallel_for(n_out, [&](int64_t b, int64_t e, int) {
+      for (int64_t o = b; o < e; ++o)
+        for (int64_t s = 0; s < n_rows; ++s)
+          f32_row(y, s)[o] = dot_row_quantized(w.type, byte_row(w, o), &qx[s * act_bytes], n_in);
+    }, 4);
+    return Status::ok();
+  }
   pool_->parallel_for(n_out, [&](int64_t b, int64_t e, int) {
     for (int64_t o = b; o < e; ++o)
       for (int64_t s = 0; s < n_rows; ++s)
