@@ -454,7 +454,7 @@ struct LoadedPart {
 // Finds and checks every part of the split set `first` belongs to (llama.cpp gguf-split:
 // "<prefix>-%05d-of-%05d.gguf", split.no counting from 0, metadata in part 0 only).
 Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count, const OpenOptions& opts) {
-  const std::string& path = given.file.path();
+  const std::string path = given.file.path();  // a copy: `given` moves into the set below
   DSV4_ASSIGN_OR_RETURN(auto no, split_key(given.parsed.metadata, kSplitNoKey, path));
   if (!no) return Status::errorf("{}: metadata key '{}' is missing (split.count is {})", path, kSplitNoKey, count);
   if (count > kMaxSplitCount)
@@ -553,9 +553,10 @@ Result<GgufFile> GgufFile::open_parts(MappedFile file, OpenOptions opts) {
     impl->file_bytes += parts[p].file.size();
     for (auto& t : parts[p].parsed.tensors) {
       t.part = static_cast<uint32_t>(p);
-      if (!impl->tensor_index.emplace(t.name, impl->tensors.size()).second)
+      const auto [it, inserted] = impl->tensor_index.emplace(t.name, impl->tensors.size());
+      if (!inserted)
         return Status::errorf("{}: tensor '{}' is also defined in {}: duplicate tensor name across split parts",
-                              parts[p].file.path(), t.name, impl->part_paths[impl->tensors[impl->tensor_index[t.name]].part]);
+                              parts[p].file.path(), t.name, impl->part_paths[impl->tensors[it->second].part]);
       impl->tensors.push_back(std::move(t));
     }
     impl->files.push_back(std::move(parts[p].file));

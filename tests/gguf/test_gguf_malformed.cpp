@@ -61,13 +61,15 @@ const MalformedCase kCases[] = {
     {"split_no_out_of_range-00001-of-00002.gguf", "metadata key 'split.no': 5 is not below split.count 2"},
     {"split_wrong_name.gguf", "file name does not end in '-00001-of-00002.gguf'"},
     {"split_missing-00001-of-00002.gguf", "split part 2 of 2 is missing or unreadable"},
-    {"split_count_disagree-00001-of-00002.gguf", "-00002-of-00002.gguf: metadata key 'split.count' is 3, but"},
+    {"split_count_disagree-00001-of-00002.gguf",
+     "/split_count_disagree-00001-of-00002.gguf says 2: the parts disagree"},
     {"split_total_disagree-00001-of-00002.gguf",
      "-00002-of-00002.gguf: metadata key 'split.tensors.count' is 3, but the first part says 2"},
     {"split_tensor_count_wrong-00001-of-00002.gguf",
      "metadata key 'split.tensors.count' is 5, but the 2 parts hold 2 tensors"},
     {"split_part_swapped-00001-of-00002.gguf", "-00002-of-00002.gguf: metadata key 'split.no' is 0, expected 1"},
-    {"split_duplicate_tensor-00001-of-00002.gguf", "tensor 'w' is also defined in"},
+    {"split_duplicate_tensor-00001-of-00002.gguf",
+     "-00002-of-00002.gguf: tensor 'w' is also defined in"},
     {"split_part_corrupt-00001-of-00002.gguf", "split_part_corrupt-00002-of-00002.gguf: kv_count: 3 key-value pairs"},
 };
 
