@@ -74,6 +74,7 @@ Result<std::unique_ptr<Sequence>> Model::new_sequence(const SequenceOptions& so)
 }
 
 Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out) const {
+  if (batch.empty()) return Status::error("forward: empty batch");
   const ForwardPass fp{config_, *weights_, options_, *backend_};
   std::vector<SequenceRows> items;
   std::vector<int32_t> tokens;
@@ -133,6 +134,7 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out) cons
 
 Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch) const {
   if (!has_mtp()) return Status::error("mtp: the model has no MTP block");
+  if (batch.empty()) return Status::error("mtp: empty batch");
   const ForwardPass fp{config_, *weights_, options_, *backend_};
   const uint32_t b = config_.n_layers;  // the (first) MTP block
   const int64_t width = int64_t{config_.hc_mult} * config_.hidden;

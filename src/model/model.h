@@ -9,7 +9,9 @@
 //
 // forward() runs several independent sequences in one batch; each item appends its
 // tokens at its sequence's next positions. Results are bit-identical whatever the
-// chunking and batching (backend.h explains why).
+// chunking and batching (backend.h explains why). One call at a time per backend (the
+// CPU backend's thread pool is not reentrant); a failed call leaves its sequences
+// unusable except when it was refused before computing (bad input, context, budget).
 #pragma once
 
 #include <cstdint>

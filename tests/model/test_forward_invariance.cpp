@@ -184,6 +184,24 @@ TEST_F(ForwardInvariance, CachePlanAndLimits) {
   EXPECT_EQ(seq->position(), 0);
 }
 
+TEST_F(ForwardInvariance, BadInputsAreErrors) {
+  backend::CpuBackend cpu(1);
+  auto missing = Model::load((dir_->path() / "absent.gguf").string(), cpu, {});
+  EXPECT_FALSE(missing.is_ok());
+  auto seq = sequence();
+  const std::vector<int32_t> bad = {1, 512};
+  const auto r = model_->prefill(*seq, bad);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("512"), std::string::npos) << r.status().message();
+  EXPECT_EQ(seq->position(), 0);
+  ForwardOutput out;
+  EXPECT_FALSE(model_->forward({}, out).is_ok());
+  const std::vector<int32_t> one = {3};
+  const std::vector<BatchItem> twice = {{seq.get(), one, false, false}, {seq.get(), one, false, false}};
+  EXPECT_FALSE(model_->forward(twice, out).is_ok());
+  EXPECT_FALSE(model_->mtp({}).is_ok());  // empty, and the sequence has no MTP cache
+}
+
 // Full-context reservations over one shared budget: rows are charged as they are written.
 TEST_F(ForwardInvariance, SharedBudgetCommitsRowsAsWritten) {
   const ModelConfig& c = model_->config();
