@@ -2,8 +2,11 @@
 // row that stays in L1/L2 (so this measures the kernels, not DRAM): dequantize_row,
 // dot_row_f32 (reference numerics) and dot_row_quantized (fast mode, activations quantised
 // beforehand). Reported as GB/s of weight bytes (bytes_per_second) and elements/s.
+// memory/read_256MiB is the bound these are compared with: one thread streaming a buffer
+// far larger than the caches.
 //   build-*/bench/bench_quant --benchmark_min_time=0.2
 #include <benchmark/benchmark.h>
+#include <immintrin.h>
 
 #include <random>
 #include <vector>
@@ -97,7 +100,21 @@ void BM_Quantize(benchmark::State& state, GgmlType type) {
   state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * kRow);
 }
 
+// Single-thread DRAM read bandwidth: sum a 256 MiB buffer with four AVX accumulators.
+void BM_MemoryRead(benchmark::State& state) {
+  const size_t n = (256u << 20) / sizeof(float);
+  std::vector<float> buf(n, 1.0f);
+  for (auto _ : state) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (size_t i = 0; i < n; i += 32)
+      for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_ps(acc[k], _mm256_loadu_ps(buf.data() + i + 8 * k));
+    benchmark::DoNotOptimize(acc);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(n * sizeof(float)));
+}
+
 const bool kRegistered = [] {
+  benchmark::RegisterBenchmark("memory/read_256MiB", BM_MemoryRead)->Unit(benchmark::kMillisecond);
   for (GgmlType t : kTypes) {
     const std::string name(dsv4::ggml_type_name(t));
     benchmark::RegisterBenchmark(("dequantize/" + name).c_str(), BM_Dequantize, t);

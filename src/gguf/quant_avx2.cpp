@@ -234,6 +234,31 @@ float dot_blocks(const void* row, const float* x, int64_t n) {
   return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
+// The K-quants without the stack buffer: each chunk of 32 levels becomes the same floats
+// the decoder writes (scale*q - offset, product unfused) and goes straight into the FMAs.
+template <typename Block>
+float dot_levels(const void* row, const float* x, int64_t n) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const Block* blocks = static_cast<const Block*>(row);
+  for (int64_t b = 0; b < n / QK_K; ++b) {
+    const float* xb = x + b * QK_K;
+    levels(blocks[b], [&](int chunk, __m256i q, float s0, float o0, float s1, float o1) {
+      const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_set1_ps(h == 0 ? s0 : s1);
+        for (int k = 0; k < 2; ++k) {
+          const __m256 qf = i8x8_to_ps(k == 0 ? halves[h] : _mm_srli_si128(halves[h], 8));
+          __m256 w = mul_unfused_ps(s, qf);
+          if constexpr (kHasOffset<Block>) w = _mm256_sub_ps(w, _mm256_set1_ps(h == 0 ? o0 : o1));
+          const int lane = 2 * h + k;
+          acc[lane] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + 32 * chunk + 8 * lane), acc[lane]);
+        }
+      }
+    });
+  }
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
 template <typename Block, int kElems>
 void dequant_blocks(const void* row, float* dst, int64_t n) {
   const Block* blocks = static_cast<const Block*>(row);
@@ -369,12 +394,12 @@ bool dot_row_f32_vector(GgmlType type, const void* row, const float* x, int64_t 
     case GgmlType::BF16: *result = dot_plain(type, row, x, n); return true;
     case GgmlType::Q8_0: *result = dot_blocks<block_q8_0, QK8_0>(row, x, n); return true;
     case GgmlType::MXFP4: *result = dot_blocks<block_mxfp4, QK_MXFP4>(row, x, n); return true;
-    case GgmlType::Q2_K: *result = dot_blocks<block_q2_K, QK_K>(row, x, n); return true;
-    case GgmlType::Q3_K: *result = dot_blocks<block_q3_K, QK_K>(row, x, n); return true;
-    case GgmlType::Q4_K: *result = dot_blocks<block_q4_K, QK_K>(row, x, n); return true;
-    case GgmlType::Q5_K: *result = dot_blocks<block_q5_K, QK_K>(row, x, n); return true;
-    case GgmlType::Q6_K: *result = dot_blocks<block_q6_K, QK_K>(row, x, n); return true;
-    case GgmlType::IQ2_XXS: *result = dot_blocks<block_iq2_xxs, QK_K>(row, x, n); return true;
+    case GgmlType::Q2_K: *result = dot_levels<block_q2_K>(row, x, n); return true;
+    case GgmlType::Q3_K: *result = dot_levels<block_q3_K>(row, x, n); return true;
+    case GgmlType::Q4_K: *result = dot_levels<block_q4_K>(row, x, n); return true;
+    case GgmlType::Q5_K: *result = dot_levels<block_q5_K>(row, x, n); return true;
+    case GgmlType::Q6_K: *result = dot_levels<block_q6_K>(row, x, n); return true;
+    case GgmlType::IQ2_XXS: *result = dot_levels<block_iq2_xxs>(row, x, n); return true;
     default: return false;
   }
 }

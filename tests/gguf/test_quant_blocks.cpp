@@ -112,6 +112,26 @@ TEST(QuantBlocks, DotRowF32MatchesDoubleReference) {
   }
 }
 
+// dot_row_f32 uses exactly the decoded weights: against a one-hot x every other product
+// is a zero, so the result is the weight itself, to the bit.
+TEST(QuantBlocks, DotRowF32UsesExactlyTheDecodedWeights) {
+  std::mt19937_64 rng(test::test_seed());
+  for (GgmlType type : test::decodable_types()) {
+    const int64_t n = block_elems(type) == 1 ? 200 : block_elems(type) * 3;
+    const auto bytes = test::random_row_bytes(type, n, rng);
+    std::vector<float> w(static_cast<size_t>(n));
+    dequantize_row(type, bytes.data(), w.data(), n);
+    std::vector<float> x(static_cast<size_t>(n), 0.0f);
+    for (int trial = 0; trial < 64; ++trial) {
+      const size_t i = static_cast<size_t>(rng() % static_cast<uint64_t>(n));
+      x[i] = 1.0f;
+      ASSERT_EQ(dot_row_f32(type, bytes.data(), x.data(), n), w[i]) << name_of(type) << " element " << i;
+      ASSERT_EQ(quant::dot_row_f32_scalar(type, bytes.data(), x.data(), n), w[i]) << name_of(type) << " element " << i;
+      x[i] = 0.0f;
+    }
+  }
+}
+
 TEST(QuantBlocks, DotRowF32PropagatesNaN) {
   std::mt19937_64 rng(test::test_seed());
   for (GgmlType type : test::decodable_types()) {
