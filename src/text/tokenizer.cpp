@@ -343,6 +343,9 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::GgufFile& file) {
     return Status::errorf("{}: tokenizer.ggml.model is '{}', expected 'gpt2' (byte-level BPE)", file.path(), model);
   TokenizerVocab v;
   DSV4_ASSIGN_OR_RETURN(v.pre, file.get_string("tokenizer.ggml.pre"));
+  if (!is_deepseek_v3_pre_name(v.pre))
+    return Status::errorf("{}: tokenizer.ggml.pre is '{}'; only the DeepSeek-V3 pre-tokenizer (deepseek-v3, "
+                          "joyai-llm) is supported", file.path(), v.pre);
   DSV4_ASSIGN_OR_RETURN(v.tokens, file.get_string_array("tokenizer.ggml.tokens"));
   DSV4_ASSIGN_OR_RETURN(v.merges, file.get_string_array("tokenizer.ggml.merges"));
   const gguf::Value* types = file.find("tokenizer.ggml.token_type");

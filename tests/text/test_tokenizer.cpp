@@ -20,6 +20,15 @@ const Tokenizer& builtin() {
   return *tok;
 }
 
+const TokenizerVocab& builtin_vocab() {
+  static const TokenizerVocab v = [] {
+    auto r = parse_tokenizer_json(builtin_tokenizer_json(), "builtin");
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    return r.is_ok() ? *r : TokenizerVocab{};
+  }();
+  return v;
+}
+
 std::vector<TokenId> encode(const Tokenizer& tok, std::string_view s) {
   auto r = tok.encode(s);
   EXPECT_TRUE(r.is_ok()) << r.status().message();
@@ -117,7 +126,7 @@ TEST(Tokenizer, LoadsFromGgufMetadataWrittenFromTokenizerJson) {
   const std::string path = (dir / "tok.gguf").string();
   {
     gguf::GgufWriter w(path);
-    ASSERT_TRUE(write_tokenizer_metadata(builtin_tokenizer_json(), "builtin", w).is_ok());
+    ASSERT_TRUE(write_tokenizer_metadata(builtin_tokenizer_json(), "builtin", w).is_ok());  // the JSON entry point
     ASSERT_TRUE(w.begin().is_ok());
     ASSERT_TRUE(w.finish().is_ok());
   }
@@ -137,7 +146,7 @@ TEST(Tokenizer, RejectsUnsupportedGgufTokenizers) {
   auto write = [&](const char* name, const char* model, const char* pre) {
     const std::string path = (dir / name).string();
     gguf::GgufWriter w(path);
-    EXPECT_TRUE(write_tokenizer_metadata(builtin_tokenizer_json(), "builtin", w).is_ok());
+    write_tokenizer_metadata(builtin_vocab(), w);
     w.set("tokenizer.ggml.model", gguf::Value::string(model));
     w.set("tokenizer.ggml.pre", gguf::Value::string(pre));
     EXPECT_TRUE(w.begin().is_ok());
