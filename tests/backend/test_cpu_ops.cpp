@@ -269,7 +269,9 @@ TEST_F(CpuOps, IndexerScoresAndTopK) {
       want[s * n_keys + b] = total;
     }
   for (int64_t i = 0; i < n * n_keys; ++i)
-    if (std::isfinite(want[i])) EXPECT_NEAR(got[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
+    if (std::isfinite(want[i])) {
+      EXPECT_NEAR(got[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
+    }
 
   const int32_t offset = 100;
   Tensor idx = i32({n, k}, std::vector<int32_t>(n * k, 12345));
