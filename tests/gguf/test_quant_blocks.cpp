@@ -85,6 +85,38 @@ TEST(QuantBlocks, DequantizeMatchesScalarDecoderBitForBit) {
   }
 }
 
+// Every field at its extremes: payload bytes all 0x00, 0xFF, 0x55 or 0xAA (levels, scales
+// and masks at their ends), fp16 scales at +-65504, +-smallest subnormal and +-0, MXFP4
+// exponents 0, 1, 254 and 255. The vector decoder must still agree with the scalar one.
+TEST(QuantBlocks, DequantizeExtremeFieldValues) {
+  const uint16_t scales[] = {0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0000, 0x8000};
+  for (GgmlType type : test::decodable_types()) {
+    const auto& traits = ggml_traits(type);
+    if (traits.block_elems == 1) continue;  // plain types: every bit pattern is covered above
+    for (uint8_t fill : {0x00, 0xFF, 0x55, 0xAA}) {
+      std::vector<uint8_t> bytes(traits.block_bytes * 6, fill);
+      for (int b = 0; b < 6; ++b) {
+        uint8_t* blk = bytes.data() + b * traits.block_bytes;
+        auto put = [&](size_t off) { std::memcpy(blk + off, &scales[b], 2); };
+        switch (type) {
+          case GgmlType::Q8_0: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::IQ2_XXS: put(0); break;
+          case GgmlType::Q2_K: put(80); put(82); break;
+          case GgmlType::Q3_K: put(108); break;
+          case GgmlType::Q6_K: put(208); break;
+          case GgmlType::MXFP4: blk[0] = static_cast<uint8_t>(b < 3 ? b : 250 + b); break;  // 0,1,2,253,254,255
+          default: break;
+        }
+        if (type == GgmlType::Q4_K || type == GgmlType::Q5_K) put(2);
+      }
+      const int64_t n = traits.block_elems * 6;
+      const auto want = reference_decode(type, bytes, n);
+      std::vector<float> got(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN());
+      dequantize_row(type, bytes.data(), got.data(), n);
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << name_of(type) << " fill " << int(fill);
+    }
+  }
+}
+
 // |dot - exact| within the f32 summation bound: (terms per accumulator + tree) * eps * sum|w x|.
 void expect_dot_close(float got, const std::vector<float>& w, const std::vector<float>& x, const std::string& what) {
   double exact = 0, magnitude = 0;

@@ -121,11 +121,33 @@ def check_quantize(tmp: str, rng: np.random.Generator) -> list[str]:
     return failures
 
 
+def check_cli_errors(tmp: str) -> list[str]:
+    """Bad input is refused with exit code 1 and a message naming the problem."""
+    failures = []
+    short = os.path.join(tmp, "short.bin")
+    with open(short, "wb") as f:
+        f.write(bytes(35))  # one Q8_0 block is 34 bytes
+    out = os.path.join(tmp, "out.bin")
+    cases = [
+        (["dequant", "--type", "q9_9", short, out], "not a ggml type name"),
+        (["dequant", "--type", "q4_0", short, out], "does not decode"),
+        (["dequant", "--type", "q8_0", short, out], "not a whole number of q8_0 blocks"),
+        (["quantize", "--type", "iq2_xxs", short, out], "no quantiser"),
+        (["dequant", "--type", "q8_0", os.path.join(tmp, "missing.bin"), out], "cannot open"),
+    ]
+    for args, expected in cases:
+        r = subprocess.run([CLI, "quant", *args], capture_output=True, text=True)
+        if r.returncode != 1 or expected not in r.stderr:
+            failures.append(f"dsv4 quant {' '.join(args)}: exit {r.returncode}, stderr {r.stderr!r}; "
+                            f"expected exit 1 and {expected!r}")
+    return failures
+
+
 def main() -> int:
     print(f"seed {SEED} (DSV4_TEST_SEED to replay)")
     rng = np.random.default_rng(SEED)
     with tempfile.TemporaryDirectory() as tmp:
-        failures = check_dequantize(tmp, rng) + check_quantize(tmp, rng)
+        failures = check_dequantize(tmp, rng) + check_quantize(tmp, rng) + check_cli_errors(tmp)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0
