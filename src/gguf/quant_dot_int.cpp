@@ -239,19 +239,11 @@ GgmlType dot_activation_type(GgmlType weight_type) {
   }
 }
 
-void quantize_activations(GgmlType act_type, const float* x, void* dst, int64_t n) {
-  switch (act_type) {
-    case GgmlType::Q8_0: quantize_row(GgmlType::Q8_0, x, dst, n); return;
-    case GgmlType::Q8_K:
-      if (!quant::quantize_q8_K_vector(x, static_cast<block_q8_K*>(dst), n)) quantize_q8_K(x, static_cast<block_q8_K*>(dst), n / QK_K);
-      return;
-    default: std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float)); return;
-  }
-}
+namespace quant {
 
-float dot_row_quantized(GgmlType weight_type, const void* row, const void* act, int64_t n) {
-  float vector_result;
-  if (quant::dot_row_quantized_vector(weight_type, row, act, n, &vector_result)) return vector_result;
+void quantize_q8_K_scalar(const float* x, block_q8_K* y, int64_t n) { quantize_q8_K(x, y, n / QK_K); }
+
+float dot_row_quantized_scalar(GgmlType weight_type, const void* row, const void* act, int64_t n) {
   const auto* q8_0 = static_cast<const block_q8_0*>(act);
   const auto* q8_K = static_cast<const block_q8_K*>(act);
   switch (weight_type) {
@@ -265,6 +257,25 @@ float dot_row_quantized(GgmlType weight_type, const void* row, const void* act, 
     case GgmlType::IQ2_XXS: return dot_k_q8_K<block_iq2_xxs>(row, q8_K, n / QK_K);
     default: return dot_row_f32(weight_type, row, static_cast<const float*>(act), n);
   }
+}
+
+}  // namespace quant
+
+void quantize_activations(GgmlType act_type, const float* x, void* dst, int64_t n) {
+  switch (act_type) {
+    case GgmlType::Q8_0: quantize_row(GgmlType::Q8_0, x, dst, n); return;
+    case GgmlType::Q8_K:
+      if (!quant::quantize_q8_K_vector(x, static_cast<block_q8_K*>(dst), n))
+        quant::quantize_q8_K_scalar(x, static_cast<block_q8_K*>(dst), n);
+      return;
+    default: std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float)); return;
+  }
+}
+
+float dot_row_quantized(GgmlType weight_type, const void* row, const void* act, int64_t n) {
+  float vector_result;
+  if (quant::dot_row_quantized_vector(weight_type, row, act, n, &vector_result)) return vector_result;
+  return quant::dot_row_quantized_scalar(weight_type, row, act, n);
 }
 
 }  // namespace dsv4

@@ -28,4 +28,9 @@ bool quantize_q8_K_vector(const float* src, block_q8_K* dst, int64_t n);  // sam
 // The scalar reference dot product: decode one block into a stack buffer, f32 FMA.
 float dot_row_f32_scalar(GgmlType type, const void* row, const float* x, int64_t n);
 
+// quant_dot_int.cpp: the portable integer dot and Q8_K quantiser (what runs without AVX2;
+// the tests hold the vector versions to them).
+float dot_row_quantized_scalar(GgmlType weight_type, const void* row, const void* act, int64_t n);
+void quantize_q8_K_scalar(const float* x, block_q8_K* y, int64_t n);
+
 }  // namespace dsv4::quant

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gguf/quant.h"
+#include "gguf/quant_internal.h"
 #include "gguf/quant_test_data.h"
 #include "support/test_support.h"
 
@@ -69,6 +70,9 @@ TEST(QuantDot, QuantizedDotWithinActivationErrorBound) {
       bound += (static_cast<double>(n) / 4 + 64) * std::ldexp(1.0, -24) * (magnitude + bound) * 2;
       EXPECT_LE(std::fabs(static_cast<double>(got) - ref), bound)
           << ggml_type_name(type) << " n=" << n << " seed " << test::test_seed();
+      const float portable = quant::dot_row_quantized_scalar(type, w_bytes.data(), qx.data(), n);
+      EXPECT_LE(std::fabs(static_cast<double>(portable) - ref), bound)
+          << ggml_type_name(type) << " (portable path) n=" << n << " seed " << test::test_seed();
       // The bound must not be vacuous: it stays well below the size of the products.
       if (quantized) EXPECT_LT(bound, 0.05 * magnitude) << ggml_type_name(type);
     }
@@ -116,6 +120,9 @@ TEST(QuantDot, Q8KActivationsMatchPlainReference) {
   std::vector<block_q8_K> got(nb);
   std::memset(got.data(), 0xA5, got.size() * sizeof(block_q8_K));
   quantize_activations(GgmlType::Q8_K, x.data(), got.data(), nb * QK_K);
+  std::vector<block_q8_K> portable(nb);
+  quant::quantize_q8_K_scalar(x.data(), portable.data(), nb * QK_K);
+  ASSERT_EQ(std::memcmp(got.data(), portable.data(), nb * sizeof(block_q8_K)), 0) << "vector vs portable";
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x.data() + b * QK_K;
     float max = 0, amax = 0;
