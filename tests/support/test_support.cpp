@@ -27,7 +27,7 @@ TempDir::~TempDir() {
 }
 
 uint64_t test_seed() {
-  static const uint64_t seed = [] {
+  static const uint64_t seed = []() -> uint64_t {
     if (const char* s = std::getenv("DSV4_TEST_SEED")) return std::strtoull(s, nullptr, 10);
     return static_cast<uint64_t>(std::random_device{}()) << 32 | std::random_device{}();
   }();
