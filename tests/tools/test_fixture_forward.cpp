@@ -220,7 +220,9 @@ TEST_F(FixtureForward, GreedyDecodeQat) {
   int same = 0;
   for (int j = 0; j < 32; ++j) {
     const int32_t next = static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin());
-    if (j < 8) EXPECT_EQ(next, want[40 + j]) << "greedy step " << j;
+    if (j < 8) {
+      EXPECT_EQ(next, want[40 + j]) << "greedy step " << j;
+    }
     same += next == want[40 + j];
     if (next != want[40 + j]) break;
     logits = m->decode(*seq, next);
