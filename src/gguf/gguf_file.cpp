@@ -181,6 +181,7 @@ class HeaderParser {
     for (uint64_t i = 0; i < kv_count_; ++i) {
       std::string key;
       DSV4_TRY(cur_.read_string(key, fmt::format("metadata key #{}", i)));
+      if (key.empty()) return Status::errorf("metadata key #{}: empty key at offset {}", i, cur_.offset() - 8);
       const std::string what = fmt::format("metadata key '{}' (#{})", key, i);
       if (auto it = seen.find(key); it != seen.end())
         return Status::errorf("{}: duplicate key (first defined as #{})", what, it->second);
@@ -287,6 +288,7 @@ class HeaderParser {
     for (uint64_t i = 0; i < tensor_count_; ++i) {
       TensorInfo t;
       DSV4_TRY(cur_.read_string(t.name, fmt::format("tensor info #{} name", i)));
+      if (t.name.empty()) return Status::errorf("tensor info #{}: empty name at offset {}", i, cur_.offset() - 8);
       const std::string what = fmt::format("tensor '{}' (#{})", t.name, i);
       if (auto it = seen.find(t.name); it != seen.end())
         return Status::errorf("{}: duplicate tensor name (first defined as #{})", what, it->second);

@@ -114,7 +114,7 @@ struct GgufWriter::Impl {
   std::vector<std::string> output_paths;
   std::vector<std::string> temps_created;
   std::FILE* out = nullptr;
-  std::vector<char> out_buffer;
+  std::unique_ptr<char[]> out_buffer;  // stdio buffer of the open part, reused across parts
   size_t current_part = 0;
   size_t next_tensor = 0;       // the tensor whose bytes are due
   uint64_t written_in_tensor = 0;
@@ -190,8 +190,8 @@ struct GgufWriter::Impl {
     out = std::fopen(temp.c_str(), "wb");
     if (!out) return Status::errorf("{}: cannot create: {}", temp, errno_text());
     temps_created.push_back(temp);
-    out_buffer.resize(kWriteBufferBytes);
-    std::setvbuf(out, out_buffer.data(), _IOFBF, out_buffer.size());
+    if (!out_buffer) out_buffer = std::make_unique_for_overwrite<char[]>(kWriteBufferBytes);
+    std::setvbuf(out, out_buffer.get(), _IOFBF, kWriteBufferBytes);
     const std::string header = header_bytes(p);
     return write_raw(header.data(), header.size());
   }
