@@ -110,7 +110,7 @@ Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const
       stats.finish = FinishReason::kCancelled;
       break;
     }
-    if (stats.generated_tokens >= o.max_tokens) {
+    if (stats.generated_tokens >= o.max_tokens) {  // only for max_tokens = 0
       stats.finish = FinishReason::kLength;
       break;
     }
@@ -123,10 +123,16 @@ Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const
       break;
     }
     sampler.accept(token);
+    stats.tokens.push_back(token);
     bool matched = false;
     emit(stops.push(decoder.push(token), matched));
     if (matched) {
       stats.finish = FinishReason::kStopString;
+      break;
+    }
+    // Stop before decoding a token whose logits nobody will read.
+    if (stats.generated_tokens >= o.max_tokens) {
+      stats.finish = FinishReason::kLength;
       break;
     }
     if (cached_.size() + 1 >= max_context_) {

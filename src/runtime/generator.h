@@ -41,6 +41,7 @@ struct GenerateStats {
   double decode_seconds = 0;
   FinishReason finish = FinishReason::kEos;
   int32_t stop_token = -1;          // the token that stopped it (EOS or a stop token)
+  std::vector<int32_t> tokens;      // the generated tokens, the stop token excluded
 
   double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prefilled_tokens / prefill_seconds : 0; }
   double decode_tokens_per_second() const { return decode_seconds > 0 ? generated_tokens / decode_seconds : 0; }
