@@ -6,6 +6,7 @@
 //  "batched": all copies in one call (batch dimension): the kernel's steady-state rate
 //           without per-launch latency.
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,9 @@ struct Shape {
 
 void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStream_t stream, bool compare_launch = false) {
   const auto& t = ggml_traits(type);
+  const std::string name = std::string(t.name) + " " + s.name + " rows=" + std::to_string(rows);
+  // DSV4_BENCH_ONLY=<substring>: run only the cases whose name contains it (for profiling).
+  if (const char* only = std::getenv("DSV4_BENCH_ONLY"); only != nullptr && name.find(only) == std::string::npos) return;
   const size_t matrix_bytes = *ggml_row_bytes(type, s.k) * s.n * s.groups;
   constexpr size_t kRotateBytes = size_t{1} << 30;  // many times the 50 MB L2
   const int64_t copies = std::max<int64_t>(2, std::min<int64_t>(4096, kRotateBytes / matrix_bytes));
@@ -58,7 +62,7 @@ void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStrea
       copies;
 
   const double gbs_graph = matrix_bytes / graph_us / 1e3, gbs_batched = matrix_bytes / batched_us / 1e3;
-  const std::string name = std::string(t.name) + " " + s.name + " rows=" + std::to_string(rows);
+
   char note[160];
   std::snprintf(note, sizeof note, "%.2f MB/matrix; graph %.2f us = %.0f GB/s (%.0f%% of copy); read-bw %.0f%%",
                 matrix_bytes / 1e6, graph_us, gbs_graph, 100 * gbs_graph / bw.copy_gbs, 100 * gbs_batched / bw.read_gbs);

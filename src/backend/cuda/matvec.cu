@@ -68,9 +68,24 @@ bool matvec_supported(GgmlType type) {
   }
 }
 
+namespace detail {
+int unit_weights(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q8_0: return QuantPolicy<GgmlType::Q8_0>::kUnitWeights;
+    case GgmlType::Q2_K: return QuantPolicy<GgmlType::Q2_K>::kUnitWeights;
+    case GgmlType::Q3_K: return QuantPolicy<GgmlType::Q3_K>::kUnitWeights;
+    case GgmlType::Q4_K: return QuantPolicy<GgmlType::Q4_K>::kUnitWeights;
+    case GgmlType::Q6_K: return QuantPolicy<GgmlType::Q6_K>::kUnitWeights;
+    case GgmlType::MXFP4: return QuantPolicy<GgmlType::MXFP4>::kUnitWeights;
+    case GgmlType::IQ2_XXS: return QuantPolicy<GgmlType::IQ2_XXS>::kUnitWeights;
+    default: return Bf16Policy::kUnitWeights;
+  }
+}
+}  // namespace detail
+
 size_t matvec_workspace_bytes(const MatvecWeights& w, int rows) {
   if (w.type == GgmlType::BF16) return 0;
-  return quantized_activations_bytes(w.batch * rows, w.k);
+  return quantized_activations_bytes(w.batch * rows, w.k, detail::activation_layout(w.type, w.k));
 }
 
 Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* workspace, size_t workspace_bytes,
@@ -105,11 +120,15 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
     a.act.f = x;
     return launch_rows<detail::Bf16Policy>(a, rows, stream);
   }
-  const QuantizedActivations q = quantized_activations_view(workspace, w.batch * rows, w.k);
+  const QuantizedActivations q =
+      quantized_activations_view(workspace, w.batch * rows, w.k, detail::activation_layout(w.type, w.k));
   DSV4_TRY(quantize_activations_q8(x, q, stream));
   a.act.q = q.q;
   a.act.d = q.d;
   a.act.s16 = q.s16;
+  a.act.padded_k = q.padded_k;
+  a.act.unit_weights = q.layout.unit_weights;
+  a.act.lanes = q.layout.lanes;
   switch (w.type) {
     case GgmlType::Q8_0: return launch_rows<detail::QuantPolicy<GgmlType::Q8_0>>(a, rows, stream);
     case GgmlType::Q2_K: return launch_rows<detail::QuantPolicy<GgmlType::Q2_K>>(a, rows, stream);

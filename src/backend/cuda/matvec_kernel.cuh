@@ -31,11 +31,15 @@ inline constexpr int kWarpsPerBlock = 4;
 inline constexpr int kIq2TableBytes = 256 * 8 + 128;
 
 struct ActView {
-  const int8_t* q = nullptr;  // quantised activations (integer types)
+  const int8_t* q = nullptr;  // quantised activations (integer types), activation_quant.h's layout
   const float* d = nullptr;
   const float* s16 = nullptr;
-  const float* f = nullptr;   // f32 activations (BF16 weights)
+  const float* f = nullptr;   // f32 activations (BF16 weights), row-major
   int64_t k = 0;
+  int64_t padded_k = 0;       // stored values per quantised row
+  int unit_weights = 0;       // the quantised layout's W and L (must match the kernel's)
+  int lanes = 1;
+  int subunits_per_row = 0;   // k / 32
 };
 
 struct MatvecArgs {
@@ -90,30 +94,36 @@ struct QuantPolicy {
   using Unit = QuantUnit<T>;
   static constexpr bool kIq2 = T == GgmlType::IQ2_XXS;
   static constexpr int kUnitWeights = 32 * Unit::kSub;
+  // Row element offsets of the activation rows in the quantised layout.
+  __device__ static int64_t row_offset(const ActView& act, int row) { return static_cast<int64_t>(row) * act.padded_k; }
+
+  // Wide unit t * L + slot of the row (L = act.lanes): lane `slot` of the row's lane group,
+  // its t-th step. `offsets`: row_offset of each activation row.
   template <int NR>
-  __device__ static void accumulate(const uint8_t* row, int unit, const ActView& act, const int (&rows)[NR],
-                                    int n_rows, float (&acc)[NR], const Iq2Tables& tables) {
+  __device__ static void accumulate(const uint8_t* row, int t, int slot, const ActView& act,
+                                    const int64_t (&offsets)[NR], int n_rows, float (&acc)[NR],
+                                    const Iq2Tables& tables) {
+    const int unit = t * act.lanes + slot;
     // Sub-units past the row's end (MXFP4 and Q8_0 rows of an odd number of 128-weight units).
-    const int valid = min(Unit::kSub, static_cast<int>(act.k / 32) - unit * Unit::kSub);
+    const int valid = min(Unit::kSub, act.subunits_per_row - unit * Unit::kSub);
     int part;
     const uint8_t* at = unit_address<Unit>(row, unit, part);
     Unit32 u[Unit::kSub];
     Unit::decode(at, part, tables, u, valid);
+    const int chunk0 = (t * (kUnitWeights / 16)) * act.lanes + slot;  // 16-byte chunk index
+    const int sub0 = (t * Unit::kSub) * act.lanes + slot;            // 32-value part index
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       if (r < n_rows) {
-        const int64_t base = static_cast<int64_t>(rows[r]) * act.k + static_cast<int64_t>(unit) * kUnitWeights;
-        const int4* xq = reinterpret_cast<const int4*>(act.q + base);
-        const float* xd = act.d + base / 32;
-        const float2* xs = reinterpret_cast<const float2*>(act.s16 + base / 16);
+        const int4* xq = reinterpret_cast<const int4*>(act.q + offsets[r]) + chunk0;
+        const int64_t at32 = offsets[r] / 32 + sub0;
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < Unit::kSub; ++j) {
           if (j < valid) {
-            const int4 x0 = __ldg(xq + 2 * j);
-            const int4 x1 = __ldg(xq + 2 * j + 1);
-            const float dx = __ldg(xd + j);
-            const float2 s = __ldg(xs + j);
+            const int4 x0 = __ldg(xq + (2 * j) * act.lanes);
+            const int4 x1 = __ldg(xq + (2 * j + 1) * act.lanes);
+            const float dx = __ldg(act.d + at32 + j * act.lanes);
             int lo = __dp4a(u[j].q[0], x0.x, 0);
             lo = __dp4a(u[j].q[1], x0.y, lo);
             lo = __dp4a(u[j].q[2], x0.z, lo);
@@ -122,8 +132,11 @@ struct QuantPolicy {
             hi = __dp4a(u[j].q[5], x1.y, hi);
             hi = __dp4a(u[j].q[6], x1.z, hi);
             hi = __dp4a(u[j].q[7], x1.w, hi);
-            sum += dx * (u[j].a0 * static_cast<float>(lo) + u[j].a1 * static_cast<float>(hi)) -
-                   (u[j].b0 * s.x + u[j].b1 * s.y);
+            sum += dx * (u[j].a0 * static_cast<float>(lo) + u[j].a1 * static_cast<float>(hi));
+            if constexpr (Unit::kOffsets) {
+              const float2 s = __ldg(reinterpret_cast<const float2*>(act.s16) + at32 + j * act.lanes);
+              sum -= u[j].b0 * s.x + u[j].b1 * s.y;
+            }
           }
         }
         acc[r] += sum;
@@ -135,15 +148,18 @@ struct QuantPolicy {
 struct Bf16Policy {
   static constexpr bool kIq2 = false;
   static constexpr int kUnitWeights = 32;
+  __device__ static int64_t row_offset(const ActView& act, int row) { return static_cast<int64_t>(row) * act.k; }
+
   template <int NR>
-  __device__ static void accumulate(const uint8_t* row, int unit, const ActView& act, const int (&rows)[NR],
-                                    int n_rows, float (&acc)[NR], const Iq2Tables&) {
+  __device__ static void accumulate(const uint8_t* row, int t, int slot, const ActView& act,
+                                    const int64_t (&offsets)[NR], int n_rows, float (&acc)[NR], const Iq2Tables&) {
+    const int unit = t * act.lanes + slot;
     uint32_t w[16];
     load_words<16>(row + 64 * unit, w);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       if (r < n_rows) {
-        const float4* x = reinterpret_cast<const float4*>(act.f + static_cast<int64_t>(rows[r]) * act.k + 32 * unit);
+        const float4* x = reinterpret_cast<const float4*>(act.f + offsets[r] + 32 * unit);
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -242,6 +258,9 @@ __device__ __forceinline__ void compute_group(const MatvecArgs& a, int64_t g, co
     }
   }
 
+  int64_t offsets[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) offsets[r] = r < n_act ? Policy::row_offset(a.act, act_rows[r]) : 0;
   const int L = a.lanes_per_row;
   const int sub_lane = lane & (L - 1);
   for (int64_t rr0 = 0; rr0 < rows; rr0 += 32 / L) {
@@ -253,14 +272,15 @@ __device__ __forceinline__ void compute_group(const MatvecArgs& a, int64_t g, co
     for (int s = 0; s < n_src; ++s) {
       const uint8_t* src = source_rows<M>(a, task, s, r0);
       const uint8_t* row = stage + s * a.segment_stride + (reinterpret_cast<uintptr_t>(src) & 15) + rr * a.row_bytes;
-      if constexpr (M == MatvecMode::kDownSum) act_rows[0] = static_cast<int>(task * a.top_k + s);
+      if constexpr (M == MatvecMode::kDownSum) offsets[0] = Policy::row_offset(a.act, static_cast<int>(task * a.top_k + s));
       if (!active) continue;
+      const int steps = (a.units_per_row - sub_lane + L - 1) / L;
       if (M == MatvecMode::kGateUp && s == 1) {
-        for (int u = sub_lane; u < a.units_per_row; u += L)
-          Policy::template accumulate<NR>(row, u, a.act, act_rows, n_act, acc[1], tables);
+        for (int t = 0; t < steps; ++t)
+          Policy::template accumulate<NR>(row, t, sub_lane, a.act, offsets, n_act, acc[1], tables);
       } else {
-        for (int u = sub_lane; u < a.units_per_row; u += L)
-          Policy::template accumulate<NR>(row, u, a.act, act_rows, n_act, acc[0], tables);
+        for (int t = 0; t < steps; ++t)
+          Policy::template accumulate<NR>(row, t, sub_lane, a.act, offsets, n_act, acc[0], tables);
       }
     }
     const int64_t i = r0 + rr;

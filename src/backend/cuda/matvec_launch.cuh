@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cuda/activation_quant.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/matvec_kernel.cuh"
 
@@ -18,6 +19,22 @@ Status iq2_tables(const uint64_t** grid, const uint8_t** signs);
 // Whether matvec-family kernels launch with programmatic dependent launch (default on;
 // environment DSV4_CUDA_PDL=0 or set_programmatic_launch(false) turns it off).
 bool programmatic_launch_enabled();
+
+// Weights per wide unit of a type's kernels (the policies' kUnitWeights; matvec.cu).
+int unit_weights(GgmlType type);
+
+// Lanes that share one row of k values: enough for one unit each, at most a warp.
+inline int lanes_per_row(int64_t k, int unit_weights) {
+  const int64_t units = (k + unit_weights - 1) / unit_weights;
+  int lanes = 1;
+  while (lanes < 32 && lanes < units) lanes *= 2;
+  return lanes;
+}
+
+// How the kernels for `type` want rows of k quantised activations laid out.
+inline ActivationLayout activation_layout(GgmlType type, int64_t k) {
+  return {unit_weights(type), lanes_per_row(k, unit_weights(type))};
+}
 
 inline Result<int> sm_count() {
   static int count = 0;
@@ -40,10 +57,17 @@ template <class Policy, int NR, MatvecMode M>
 Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
   if (a.n <= 0 || max_tasks <= 0) return Status::ok();
   a.units_per_row = static_cast<int>((a.act.k + Policy::kUnitWeights - 1) / Policy::kUnitWeights);
-  a.lanes_per_row = 1;
-  while (a.lanes_per_row < 32 && a.lanes_per_row < a.units_per_row) a.lanes_per_row *= 2;
+  a.lanes_per_row = lanes_per_row(a.act.k, Policy::kUnitWeights);
+  if (a.act.q != nullptr && (a.act.unit_weights != Policy::kUnitWeights || a.act.lanes != a.lanes_per_row))
+    return Status::error("matvec: activations laid out for units of " + std::to_string(a.act.unit_weights) + " x " +
+                         std::to_string(a.act.lanes) + " lanes, kernel wants " + std::to_string(Policy::kUnitWeights) +
+                         " x " + std::to_string(a.lanes_per_row));
+  a.act.lanes = a.lanes_per_row;  // f32 activations are row-major: any lane split reads them
+  a.act.subunits_per_row = static_cast<int>(a.act.k / 32);
   int64_t rows = std::max<int64_t>(1, kGroupTargetBytes / (sources * a.row_bytes));
-  rows = std::min(std::max<int64_t>(rows, 32 / a.lanes_per_row), a.n);  // a pass of the warp fills every lane
+  rows = std::max<int64_t>(rows, 32 / a.lanes_per_row);  // a pass of the warp fills every lane
+  const int64_t per_stage = (kMaxSharedBytes - kIq2TableBytes) / (kWarpsPerBlock * kStages);
+  rows = std::min({rows, std::max<int64_t>(1, (per_stage / sources - 48) / a.row_bytes), a.n});
   a.rows_per_group = static_cast<int>(rows);
   a.row_blocks = (a.n + rows - 1) / rows;
   a.segment_stride = static_cast<int>((rows * a.row_bytes + 15 + 15) / 16 * 16 + 16);

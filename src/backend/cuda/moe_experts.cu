@@ -34,9 +34,13 @@ Layout layout(const ExpertWeights& w, int64_t tokens, int top_k) {
     at += align256(bytes);
     return here;
   };
-  l.x_q = take(w.gate_up_type == GgmlType::BF16 ? 0 : quantized_activations_bytes(tokens, w.hidden));
+  l.x_q = take(w.gate_up_type == GgmlType::BF16
+                   ? 0
+                   : quantized_activations_bytes(tokens, w.hidden, detail::activation_layout(w.gate_up_type, w.hidden)));
   l.h = take(static_cast<size_t>(pairs * w.ffn) * sizeof(float));
-  l.h_q = take(w.down_type == GgmlType::BF16 ? 0 : quantized_activations_bytes(pairs, w.ffn));
+  l.h_q = take(w.down_type == GgmlType::BF16
+                   ? 0
+                   : quantized_activations_bytes(pairs, w.ffn, detail::activation_layout(w.down_type, w.ffn)));
   l.partial = take(decode ? 0 : static_cast<size_t>(pairs * w.hidden) * sizeof(float));
   l.pairs = take(decode ? 0 : static_cast<size_t>(pairs) * sizeof(int));
   l.tiles = take(decode ? 0 : static_cast<size_t>(3 * l.max_tiles + 1) * sizeof(int));
@@ -145,6 +149,7 @@ Status check_type(GgmlType type, int64_t k, const char* what) {
 }
 
 void set_activations(MatvecArgs& a, GgmlType type, const float* f, const QuantizedActivations& q, int64_t k) {
+  a.act = detail::ActView{};
   a.act.k = k;
   if (type == GgmlType::BF16) {
     a.act.f = f;
@@ -152,6 +157,9 @@ void set_activations(MatvecArgs& a, GgmlType type, const float* f, const Quantiz
     a.act.q = q.q;
     a.act.d = q.d;
     a.act.s16 = q.s16;
+    a.act.padded_k = q.padded_k;
+    a.act.unit_weights = q.layout.unit_weights;
+    a.act.lanes = q.layout.lanes;
   }
 }
 
@@ -216,12 +224,14 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   a.top_k = routing.top_k;
   a.limit = swiglu_limit;
   a.out = h;
-  const QuantizedActivations xq = quantized_activations_view(ws + l.x_q, tokens, w.hidden);
+  const QuantizedActivations xq = quantized_activations_view(ws + l.x_q, tokens, w.hidden,
+                                                             detail::activation_layout(w.gate_up_type, w.hidden));
   if (w.gate_up_type != GgmlType::BF16) DSV4_TRY(quantize_activations_q8(x, xq, stream));
   set_activations(a, w.gate_up_type, x, xq, w.hidden);
   DSV4_TRY(dispatch<GateUpOp>(w.gate_up_type, a, decode, decode ? pairs : l.max_tiles, stream));
 
-  const QuantizedActivations hq = quantized_activations_view(ws + l.h_q, pairs, w.ffn);
+  const QuantizedActivations hq =
+      quantized_activations_view(ws + l.h_q, pairs, w.ffn, detail::activation_layout(w.down_type, w.ffn));
   if (w.down_type != GgmlType::BF16) DSV4_TRY(quantize_activations_q8(h, hq, stream));
   const auto& dt = ggml_traits(w.down_type);
   MatvecArgs d = a;

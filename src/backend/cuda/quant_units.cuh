@@ -78,6 +78,7 @@ struct QuantUnit;
 
 template <>
 struct QuantUnit<GgmlType::Q8_0> {
+  static constexpr bool kOffsets = false;  // b0/b1 nonzero
   static constexpr int kBlockBytes = sizeof(block_q8_0);
   static constexpr int kSub = 1;             // 32 weights per wide unit
   static constexpr int kBlocksPerUnit = 1;   // whole blocks per wide unit (when > 0)
@@ -94,6 +95,7 @@ struct QuantUnit<GgmlType::Q8_0> {
 
 template <>
 struct QuantUnit<GgmlType::Q2_K> {
+  static constexpr bool kOffsets = true;  // b0/b1 nonzero
   static constexpr int kBlockBytes = sizeof(block_q2_K);
   static constexpr int kSub = 4;  // one 32-byte plane of qs: 4 shifts x 32 weights
   static constexpr int kBlocksPerUnit = 0;
@@ -118,6 +120,7 @@ struct QuantUnit<GgmlType::Q2_K> {
 
 template <>
 struct QuantUnit<GgmlType::Q3_K> {
+  static constexpr bool kOffsets = true;  // b0/b1 nonzero
   static constexpr int kBlockBytes = sizeof(block_q3_K);
   static constexpr int kSub = 4;
   static constexpr int kBlocksPerUnit = 0;
@@ -143,6 +146,7 @@ struct QuantUnit<GgmlType::Q3_K> {
 
 template <>
 struct QuantUnit<GgmlType::Q4_K> {
+  static constexpr bool kOffsets = true;  // b0/b1 nonzero
   static constexpr int kBlockBytes = sizeof(block_q4_K);
   static constexpr int kSub = 2;  // both nibbles of 32 bytes
   static constexpr int kBlocksPerUnit = 0;
@@ -165,6 +169,7 @@ struct QuantUnit<GgmlType::Q4_K> {
 
 template <>
 struct QuantUnit<GgmlType::Q6_K> {
+  static constexpr bool kOffsets = true;  // b0/b1 nonzero
   static constexpr int kBlockBytes = sizeof(block_q6_K);
   static constexpr int kSub = 4;  // one half block: 64 bytes of ql, 32 of qh
   static constexpr int kBlocksPerUnit = 0;
@@ -193,6 +198,7 @@ struct QuantUnit<GgmlType::Q6_K> {
 
 template <>
 struct QuantUnit<GgmlType::MXFP4> {
+  static constexpr bool kOffsets = false;  // b0/b1 nonzero
   static constexpr int kBlockBytes = sizeof(block_mxfp4);
   static constexpr int kSub = 4;  // four consecutive blocks; a row's last unit may hold fewer
   static constexpr int kBlocksPerUnit = 4;
@@ -218,6 +224,7 @@ struct QuantUnit<GgmlType::MXFP4> {
 
 template <>
 struct QuantUnit<GgmlType::IQ2_XXS> {
+  static constexpr bool kOffsets = false;  // b0/b1 nonzero
   static constexpr int kBlockBytes = sizeof(block_iq2_xxs);
   static constexpr int kSub = 4;  // half a block
   static constexpr int kBlocksPerUnit = 0;
