@@ -80,6 +80,25 @@ void BM_DotQuantized(benchmark::State& state, GgmlType type) {
   set_counters(state, row.size());
 }
 
+// Four activation rows against one weight row (dot_rows_quantized: each weight block is
+// decoded once). Counted as 4 row-dots, so the rate compares directly with dot_quantized.
+void BM_DotQuantizedRows4(benchmark::State& state, GgmlType type) {
+  constexpr int kRows = 4;
+  const auto row = weight_row(type);
+  const auto x = random_values(kRow * kRows, 3);
+  const GgmlType act = dsv4::dot_activation_type(type);
+  const size_t act_bytes = *dsv4::ggml_row_bytes(act, kRow);
+  std::vector<uint8_t> qx(act_bytes * kRows);
+  for (int r = 0; r < kRows; ++r) dsv4::quantize_activations(act, x.data() + r * kRow, qx.data() + r * act_bytes, kRow);
+  float out[kRows];
+  for (auto _ : state) {
+    dsv4::dot_rows_quantized(type, row.data(), qx.data(), act_bytes, kRows, kRow, out);
+    benchmark::DoNotOptimize(out);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(row.size()) * kRows);
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * kRow * kRows);
+}
+
 void BM_QuantizeActivations(benchmark::State& state, GgmlType act) {
   const auto x = random_values(kRow, 3);
   std::vector<uint8_t> qx(*dsv4::ggml_row_bytes(act, kRow));
@@ -119,8 +138,10 @@ const bool kRegistered = [] {
     const std::string name(dsv4::ggml_type_name(t));
     benchmark::RegisterBenchmark(("dequantize/" + name).c_str(), BM_Dequantize, t);
     benchmark::RegisterBenchmark(("dot_f32/" + name).c_str(), BM_DotF32, t);
-    if (dsv4::dot_activation_type(t) != GgmlType::F32)
+    if (dsv4::dot_activation_type(t) != GgmlType::F32) {
       benchmark::RegisterBenchmark(("dot_quantized/" + name).c_str(), BM_DotQuantized, t);
+      benchmark::RegisterBenchmark(("dot_quantized_rows4/" + name).c_str(), BM_DotQuantizedRows4, t);
+    }
     if (dsv4::can_quantize(t)) benchmark::RegisterBenchmark(("quantize/" + name).c_str(), BM_Quantize, t);
   }
   benchmark::RegisterBenchmark("quantize_activations/q8_0", BM_QuantizeActivations, GgmlType::Q8_0);

@@ -168,8 +168,14 @@ void quantize_row(GgmlType type, const float* src, void* dst, int64_t n) {
 
 float dot_row_f32(GgmlType type, const void* row, const float* x, int64_t n) {
   float result;
-  if (quant::dot_row_f32_vector(type, row, x, n, &result)) return result;
+  if (quant::dot_rows_f32_vector(type, row, x, n, 1, n, &result)) return result;
   return quant::dot_row_f32_scalar(type, row, x, n);
+}
+
+void dot_rows_f32(GgmlType type, const void* row, const float* x, int64_t x_stride, int64_t n_x, int64_t n,
+                  float* out) {
+  if (quant::dot_rows_f32_vector(type, row, x, x_stride, n_x, n, out)) return;
+  for (int64_t r = 0; r < n_x; ++r) out[r] = quant::dot_row_f32_scalar(type, row, x + r * x_stride, n);
 }
 
 }  // namespace dsv4

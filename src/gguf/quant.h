@@ -27,6 +27,10 @@ void quantize_row(GgmlType type, const float* src, void* dst, int64_t n);
 // Dot product of one stored row with f32 activations, accumulated in f32 with the weights
 // decoded exactly: the reference numerics (the "fp32 test mode" of the fixtures).
 float dot_row_f32(GgmlType type, const void* row, const float* x, int64_t n);
+// The same for n_x activation rows x + r*x_stride (floats) against one weight row, decoding
+// each weight block once: out[r] equals dot_row_f32(type, row, x + r*x_stride, n) bit for bit.
+void dot_rows_f32(GgmlType type, const void* row, const float* x, int64_t x_stride, int64_t n_x, int64_t n,
+                  float* out);
 
 // Fast path: the activations are first quantised once per row-set (ggml's Q8_0 / Q8_K
 // activation blocks) and the products run in integers. Slightly different numerics;
@@ -36,5 +40,9 @@ float dot_row_f32(GgmlType type, const void* row, const float* x, int64_t n);
 GgmlType dot_activation_type(GgmlType weight_type);  // Q8_0, Q8_K, or F32 (no quantised path)
 void quantize_activations(GgmlType act_type, const float* x, void* dst, int64_t n);
 float dot_row_quantized(GgmlType weight_type, const void* row, const void* act, int64_t n);
+// n_act activation rows at act + r*act_stride bytes: out[r] equals dot_row_quantized of that
+// row bit for bit (the weight block is decoded once for all of them).
+void dot_rows_quantized(GgmlType weight_type, const void* row, const void* act, size_t act_stride, int64_t n_act,
+                        int64_t n, float* out);
 
 }  // namespace dsv4

@@ -66,7 +66,9 @@ inline __m256i bits_at(__m256i v, int shift, int mask) {
   return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
 }
 
-void decode(const block_q8_0& b, float* out) {
+// The 32-element decoders are forced inline: a call per 32 elements would cost as much as
+// the work.
+[[gnu::always_inline]] inline void decode(const block_q8_0& b, float* out) {
   const __m256 d = _mm256_set1_ps(fp16_to_f32(b.d));
   for (int k = 0; k < 4; ++k) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * k));
@@ -74,7 +76,7 @@ void decode(const block_q8_0& b, float* out) {
   }
 }
 
-void decode(const block_mxfp4& b, float* out) {
+[[gnu::always_inline]] inline void decode(const block_mxfp4& b, float* out) {
   const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
   const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -94,7 +96,7 @@ void decode(const block_mxfp4& b, float* out) {
 //   sink(chunk, q, scale0, offset0, scale1, offset1)
 
 template <typename Sink>
-void levels(const block_q2_K& b, Sink&& sink) {
+[[gnu::always_inline]] inline void levels(const block_q2_K& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d), dmin = fp16_to_f32(b.dmin);
   const __m256i qs[2] = {load32(b.qs), load32(b.qs + 32)};
   for (int n = 0; n < 2; ++n)
@@ -107,7 +109,7 @@ void levels(const block_q2_K& b, Sink&& sink) {
 }
 
 template <typename Sink>
-void levels(const block_q3_K& b, Sink&& sink) {
+[[gnu::always_inline]] inline void levels(const block_q3_K& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d);
   const __m256i hmask = load32(b.hmask);
   const __m256i four = _mm256_set1_epi8(4);
@@ -124,7 +126,7 @@ void levels(const block_q3_K& b, Sink&& sink) {
 }
 
 template <typename Block, bool kFifthBit, typename Sink>
-void levels_k4(const Block& b, Sink&& sink) {
+[[gnu::always_inline]] inline void levels_k4(const Block& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d), dmin = fp16_to_f32(b.dmin);
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFifthBit) qh = load32(b.qh);
@@ -141,12 +143,12 @@ void levels_k4(const Block& b, Sink&& sink) {
     }
 }
 template <typename Sink>
-void levels(const block_q4_K& b, Sink&& sink) { levels_k4<block_q4_K, false>(b, sink); }
+[[gnu::always_inline]] inline void levels(const block_q4_K& b, Sink&& sink) { levels_k4<block_q4_K, false>(b, sink); }
 template <typename Sink>
-void levels(const block_q5_K& b, Sink&& sink) { levels_k4<block_q5_K, true>(b, sink); }
+[[gnu::always_inline]] inline void levels(const block_q5_K& b, Sink&& sink) { levels_k4<block_q5_K, true>(b, sink); }
 
 template <typename Sink>
-void levels(const block_q6_K& b, Sink&& sink) {
+[[gnu::always_inline]] inline void levels(const block_q6_K& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d);
   const __m256i bias = _mm256_set1_epi8(32);
   const __m256i ql[4] = {load32(b.ql), load32(b.ql + 32), load32(b.ql + 64), load32(b.ql + 96)};
@@ -163,7 +165,7 @@ void levels(const block_q6_K& b, Sink&& sink) {
 
 // Levels are the signed grid magnitudes (8, 25, 43); one scale d*(0.5 + s)*0.25 per 32.
 template <typename Sink>
-void levels(const block_iq2_xxs& b, Sink&& sink) {
+[[gnu::always_inline]] inline void levels(const block_iq2_xxs& b, Sink&& sink) {
   const float d = fp16_to_f32(b.d);
   const __m256i bit_of_byte = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
   for (int g = 0; g < QK_K / 32; ++g) {
@@ -214,31 +216,40 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// sum of w[i]*x[i] over `elems` (a multiple of 32) with four accumulators.
-inline void fma_block(const float* w, const float* x, int elems, __m256 acc[4]) {
-  for (int i = 0; i < elems; i += 32)
-    for (int k = 0; k < 4; ++k)
-      acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8 * k), _mm256_loadu_ps(x + i + 8 * k), acc[k]);
+// Every dot kernel below takes kRows activation rows (x + r*x_stride) against one weight
+// row and decodes each weight block once for all of them. Each row's arithmetic is the same
+// whatever kRows is, so batching never changes a result.
+//   out[r] = dot(weights, x_r)
+
+inline float reduce4(const __m256 acc[4]) {
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-// Decodes one block at a time into a stack buffer and accumulates it against x.
-template <typename Block, int kElems>
-float dot_blocks(const void* row, const float* x, int64_t n) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+// Decodes one block at a time into a stack buffer and accumulates it against each x.
+template <typename Block, int kElems, int kRows>
+void dot_blocks(const void* row, const float* x, int64_t x_stride, int64_t n, float* out) {
+  __m256 acc[kRows][4];
+  for (auto& a : acc) a[0] = a[1] = a[2] = a[3] = _mm256_setzero_ps();
   alignas(32) float w[kElems];
   const Block* blocks = static_cast<const Block*>(row);
   for (int64_t b = 0; b < n / kElems; ++b) {
     decode(blocks[b], w);
-    fma_block(w, x + b * kElems, kElems, acc);
+    for (int r = 0; r < kRows; ++r) {
+      const float* xb = x + r * x_stride + b * kElems;
+      for (int i = 0; i < kElems; i += 32)
+        for (int k = 0; k < 4; ++k)
+          acc[r][k] = _mm256_fmadd_ps(_mm256_load_ps(w + i + 8 * k), _mm256_loadu_ps(xb + i + 8 * k), acc[r][k]);
+    }
   }
-  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  for (int r = 0; r < kRows; ++r) out[r] = reduce4(acc[r]);
 }
 
 // The K-quants without the stack buffer: each chunk of 32 levels becomes the same floats
 // the decoder writes (scale*q - offset, product unfused) and goes straight into the FMAs.
-template <typename Block>
-float dot_levels(const void* row, const float* x, int64_t n) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+template <typename Block, int kRows>
+void dot_levels(const void* row, const float* x, int64_t x_stride, int64_t n, float* out) {
+  __m256 acc[kRows][4];
+  for (auto& a : acc) a[0] = a[1] = a[2] = a[3] = _mm256_setzero_ps();
   const Block* blocks = static_cast<const Block*>(row);
   for (int64_t b = 0; b < n / QK_K; ++b) {
     const float* xb = x + b * QK_K;
@@ -251,12 +262,13 @@ float dot_levels(const void* row, const float* x, int64_t n) {
           __m256 w = mul_unfused_ps(s, qf);
           if constexpr (kHasOffset<Block>) w = _mm256_sub_ps(w, _mm256_set1_ps(h == 0 ? o0 : o1));
           const int lane = 2 * h + k;
-          acc[lane] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + 32 * chunk + 8 * lane), acc[lane]);
+          for (int r = 0; r < kRows; ++r)
+            acc[r][lane] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + r * x_stride + 32 * chunk + 8 * lane), acc[r][lane]);
         }
       }
     });
   }
-  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  for (int r = 0; r < kRows; ++r) out[r] = reduce4(acc[r]);
 }
 
 template <typename Block, int kElems>
@@ -304,29 +316,40 @@ inline __m256i dot_i8_lanes(__m256i q, __m256i y) {
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-template <typename Block>
-float dot_q8_K_blocks(const void* row, const block_q8_K* act, int64_t nb) {
+// Activation rows are act + r*act_stride bytes, each nb Q8_K blocks.
+template <typename Block, int kRows>
+void dot_q8_K_blocks(const void* row, const uint8_t* act, size_t act_stride, int64_t nb, float* out) {
   const Block* blocks = static_cast<const Block*>(row);
-  __m256 acc = _mm256_setzero_ps();
-  float offsets = 0.0f;
+  __m256 acc[kRows];
+  float offsets[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps(), offsets[r] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
-    const block_q8_K& a = act[b];
-    __m256 block_acc = _mm256_setzero_ps();
-    float block_offsets = 0.0f;
+    const block_q8_K* a[kRows];
+    __m256 block_acc[kRows];
+    float block_offsets[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      a[r] = reinterpret_cast<const block_q8_K*>(act + r * act_stride) + b;
+      block_acc[r] = _mm256_setzero_ps();
+      block_offsets[r] = 0.0f;
+    }
     levels(blocks[b], [&](int chunk, __m256i q, float s0, float o0, float s1, float o1) {
-      const __m256i sums = dot_i8_lanes(q, load32(reinterpret_cast<const uint8_t*>(a.qs) + 32 * chunk));
       const __m256 scale = _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1));
-      block_acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, block_acc);
-      if constexpr (kHasOffset<Block>)
-        block_offsets += o0 * static_cast<float>(a.bsums[2 * chunk]) + o1 * static_cast<float>(a.bsums[2 * chunk + 1]);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256i sums = dot_i8_lanes(q, load32(reinterpret_cast<const uint8_t*>(a[r]->qs) + 32 * chunk));
+        block_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, block_acc[r]);
+        if constexpr (kHasOffset<Block>)
+          block_offsets[r] += o0 * static_cast<float>(a[r]->bsums[2 * chunk]) + o1 * static_cast<float>(a[r]->bsums[2 * chunk + 1]);
+      }
     });
-    acc = _mm256_fmadd_ps(block_acc, _mm256_set1_ps(a.d), acc);
-    offsets += a.d * block_offsets;
+    for (int r = 0; r < kRows; ++r) {
+      acc[r] = _mm256_fmadd_ps(block_acc[r], _mm256_set1_ps(a[r]->d), acc[r]);
+      offsets[r] += a[r]->d * block_offsets[r];
+    }
   }
-  return hsum(acc) - offsets;
+  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]) - offsets[r];
 }
 
-inline __m256i mxfp4_levels(const block_mxfp4& b) {
+[[gnu::always_inline]] inline __m256i mxfp4_levels(const block_mxfp4& b) {
   const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
   const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -335,8 +358,10 @@ inline __m256i mxfp4_levels(const block_mxfp4& b) {
   return _mm256_setr_m128i(lo, hi);
 }
 
-float dot_q8_0_blocks(GgmlType type, const void* row, const block_q8_0* act, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
+template <int kRows>
+void dot_q8_0_blocks(GgmlType type, const void* row, const uint8_t* act, size_t act_stride, int64_t nb, float* out) {
+  __m256 acc[kRows];
+  for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i q;
     float scale;
@@ -349,10 +374,22 @@ float dot_q8_0_blocks(GgmlType type, const void* row, const block_q8_0* act, int
       q = load32(reinterpret_cast<const uint8_t*>(w.qs));
       scale = _cvtsh_ss(w.d);  // the hardware conversion: exact, and this path need not keep NaN payloads
     }
-    const __m256i sums = dot_i8_lanes(q, load32(reinterpret_cast<const uint8_t*>(act[b].qs)));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale * _cvtsh_ss(act[b].d)), acc);
+    for (int r = 0; r < kRows; ++r) {
+      const block_q8_0& a = reinterpret_cast<const block_q8_0*>(act + r * act_stride)[b];
+      const __m256i sums = dot_i8_lanes(q, load32(reinterpret_cast<const uint8_t*>(a.qs)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale * _cvtsh_ss(a.d)), acc[r]);
+    }
   }
-  return hsum(acc);
+  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
+}
+
+// Splits n_rows into groups of 4, 2 and 1 and calls f(first_row, std::integral_constant<kRows>).
+template <typename F>
+void for_row_groups(int64_t n_rows, F&& f) {
+  int64_t r = 0;
+  for (; r + 4 <= n_rows; r += 4) f(r, std::integral_constant<int, 4>{});
+  if (r + 2 <= n_rows) f(r, std::integral_constant<int, 2>{}), r += 2;
+  if (r < n_rows) f(r, std::integral_constant<int, 1>{});
 }
 
 // ggml's quantize_row_q8_0_ref, 8 lanes at a time: q = roundf(x / d), roundf being round
@@ -387,21 +424,40 @@ void quantize_q8_0_blocks(const float* x, block_q8_0* y, int64_t nb) {
 
 }  // namespace
 
-bool dot_row_f32_vector(GgmlType type, const void* row, const float* x, int64_t n, float* result) {
+bool dot_rows_f32_vector(GgmlType type, const void* row, const float* x, int64_t x_stride, int64_t n_x, int64_t n,
+                         float* out) {
   switch (type) {
     case GgmlType::F32:
     case GgmlType::F16:
-    case GgmlType::BF16: *result = dot_plain(type, row, x, n); return true;
-    case GgmlType::Q8_0: *result = dot_blocks<block_q8_0, QK8_0>(row, x, n); return true;
-    case GgmlType::MXFP4: *result = dot_blocks<block_mxfp4, QK_MXFP4>(row, x, n); return true;
-    case GgmlType::Q2_K: *result = dot_levels<block_q2_K>(row, x, n); return true;
-    case GgmlType::Q3_K: *result = dot_levels<block_q3_K>(row, x, n); return true;
-    case GgmlType::Q4_K: *result = dot_levels<block_q4_K>(row, x, n); return true;
-    case GgmlType::Q5_K: *result = dot_levels<block_q5_K>(row, x, n); return true;
-    case GgmlType::Q6_K: *result = dot_levels<block_q6_K>(row, x, n); return true;
-    case GgmlType::IQ2_XXS: *result = dot_levels<block_iq2_xxs>(row, x, n); return true;
+    case GgmlType::BF16:
+      for (int64_t r = 0; r < n_x; ++r) out[r] = dot_plain(type, row, x + r * x_stride, n);
+      return true;
+    case GgmlType::Q8_0:
+    case GgmlType::MXFP4:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K:
+    case GgmlType::IQ2_XXS: break;
     default: return false;
   }
+  for_row_groups(n_x, [&](int64_t r0, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    const float* xr = x + r0 * x_stride;
+    float* o = out + r0;
+    switch (type) {
+      case GgmlType::Q8_0: dot_blocks<block_q8_0, QK8_0, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::MXFP4: dot_blocks<block_mxfp4, QK_MXFP4, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q2_K: dot_levels<block_q2_K, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q3_K: dot_levels<block_q3_K, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q4_K: dot_levels<block_q4_K, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q5_K: dot_levels<block_q5_K, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q6_K: dot_levels<block_q6_K, R>(row, xr, x_stride, n, o); break;
+      default: dot_levels<block_iq2_xxs, R>(row, xr, x_stride, n, o); break;
+    }
+  });
+  return true;
 }
 
 bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n) {
@@ -490,19 +546,36 @@ void quantize_q8_K_blocks(const float* x, block_q8_K* y, int64_t nb) {
 
 }  // namespace
 
-bool dot_row_quantized_vector(GgmlType type, const void* row, const void* act, int64_t n, float* result) {
-  const auto* q8_K = static_cast<const block_q8_K*>(act);
+bool dot_rows_quantized_vector(GgmlType type, const void* row, const void* act, size_t act_stride, int64_t n_act,
+                               int64_t n, float* out) {
   switch (type) {
     case GgmlType::Q8_0:
-    case GgmlType::MXFP4: *result = dot_q8_0_blocks(type, row, static_cast<const block_q8_0*>(act), n / QK8_0); return true;
-    case GgmlType::Q2_K: *result = dot_q8_K_blocks<block_q2_K>(row, q8_K, n / QK_K); return true;
-    case GgmlType::Q3_K: *result = dot_q8_K_blocks<block_q3_K>(row, q8_K, n / QK_K); return true;
-    case GgmlType::Q4_K: *result = dot_q8_K_blocks<block_q4_K>(row, q8_K, n / QK_K); return true;
-    case GgmlType::Q5_K: *result = dot_q8_K_blocks<block_q5_K>(row, q8_K, n / QK_K); return true;
-    case GgmlType::Q6_K: *result = dot_q8_K_blocks<block_q6_K>(row, q8_K, n / QK_K); return true;
-    case GgmlType::IQ2_XXS: *result = dot_q8_K_blocks<block_iq2_xxs>(row, q8_K, n / QK_K); return true;
+    case GgmlType::MXFP4:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K:
+    case GgmlType::IQ2_XXS: break;
     default: return false;
   }
+  const uint8_t* a = static_cast<const uint8_t*>(act);
+  for_row_groups(n_act, [&](int64_t r0, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    const uint8_t* ar = a + r0 * act_stride;
+    float* o = out + r0;
+    switch (type) {
+      case GgmlType::Q8_0:
+      case GgmlType::MXFP4: dot_q8_0_blocks<R>(type, row, ar, act_stride, n / QK8_0, o); break;
+      case GgmlType::Q2_K: dot_q8_K_blocks<block_q2_K, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::Q3_K: dot_q8_K_blocks<block_q3_K, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::Q4_K: dot_q8_K_blocks<block_q4_K, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::Q5_K: dot_q8_K_blocks<block_q5_K, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::Q6_K: dot_q8_K_blocks<block_q6_K, R>(row, ar, act_stride, n / QK_K, o); break;
+      default: dot_q8_K_blocks<block_iq2_xxs, R>(row, ar, act_stride, n / QK_K, o); break;
+    }
+  });
+  return true;
 }
 
 bool quantize_q8_K_vector(const float* src, block_q8_K* dst, int64_t n) {
@@ -536,9 +609,9 @@ bool quantize_row_vector(GgmlType type, const float* src, void* dst, int64_t n) 
 
 #else  // no AVX2
 
-bool dot_row_f32_vector(GgmlType, const void*, const float*, int64_t, float*) { return false; }
+bool dot_rows_f32_vector(GgmlType, const void*, const float*, int64_t, int64_t, int64_t, float*) { return false; }
 bool dequantize_row_vector(GgmlType, const void*, float*, int64_t) { return false; }
-bool dot_row_quantized_vector(GgmlType, const void*, const void*, int64_t, float*) { return false; }
+bool dot_rows_quantized_vector(GgmlType, const void*, const void*, size_t, int64_t, int64_t, float*) { return false; }
 bool quantize_row_vector(GgmlType, const float*, void*, int64_t) { return false; }
 bool quantize_q8_K_vector(const float*, block_q8_K*, int64_t) { return false; }
 

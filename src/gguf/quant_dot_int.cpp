@@ -273,9 +273,16 @@ void quantize_activations(GgmlType act_type, const float* x, void* dst, int64_t 
 }
 
 float dot_row_quantized(GgmlType weight_type, const void* row, const void* act, int64_t n) {
-  float vector_result;
-  if (quant::dot_row_quantized_vector(weight_type, row, act, n, &vector_result)) return vector_result;
+  float result;
+  if (quant::dot_rows_quantized_vector(weight_type, row, act, 0, 1, n, &result)) return result;
   return quant::dot_row_quantized_scalar(weight_type, row, act, n);
+}
+
+void dot_rows_quantized(GgmlType weight_type, const void* row, const void* act, size_t act_stride, int64_t n_act,
+                        int64_t n, float* out) {
+  if (quant::dot_rows_quantized_vector(weight_type, row, act, act_stride, n_act, n, out)) return;
+  for (int64_t r = 0; r < n_act; ++r)
+    out[r] = quant::dot_row_quantized_scalar(weight_type, row, static_cast<const uint8_t*>(act) + r * act_stride, n);
 }
 
 }  // namespace dsv4

@@ -17,10 +17,14 @@ void quantize_blocks_q6_K(const float* x, block_q6_K* y, int64_t nb);
 
 // quant_avx2.cpp: AVX2 block decoders and weight-times-f32 dot products; false when `type`
 // has no vector path on this machine (the caller then uses the scalar reference).
-bool dot_row_f32_vector(GgmlType type, const void* row, const float* x, int64_t n, float* result);
+// Rows of activations x + r*x_stride (r < n_x) against one weight row, into out[r].
+bool dot_rows_f32_vector(GgmlType type, const void* row, const float* x, int64_t x_stride, int64_t n_x, int64_t n,
+                         float* out);
 bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n);
 // Integer dot products against Q8_0 / Q8_K activations (quant_dot_int.cpp is the fallback).
-bool dot_row_quantized_vector(GgmlType type, const void* row, const void* act, int64_t n, float* result);
+// Activation rows at act + r*act_stride bytes (r < n_act).
+bool dot_rows_quantized_vector(GgmlType type, const void* row, const void* act, size_t act_stride, int64_t n_act,
+                               int64_t n, float* out);
 // Byte-identical vector versions of quantisers (Q8_0, F16).
 bool quantize_row_vector(GgmlType type, const float* src, void* dst, int64_t n);
 bool quantize_q8_K_vector(const float* src, block_q8_K* dst, int64_t n);  // same bytes as the portable one

@@ -140,6 +140,36 @@ TEST(QuantDot, Q8KActivationsMatchPlainReference) {
   }
 }
 
+// Several activation rows against one weight row give each row's single-row result to the
+// bit, for every group size (the kernels split rows into groups of 4, 2 and 1).
+TEST(QuantDot, BatchedRowsEqualSingleRowsBitForBit) {
+  std::mt19937_64 rng(test::test_seed());
+  for (GgmlType type : test::decodable_types()) {
+    const int64_t n = QK_K * 3;
+    const auto w = test::random_row_bytes(type, n, rng);
+    for (int64_t rows : {1, 2, 3, 5, 7}) {
+      const int64_t x_stride = n + 8;  // rows need not be packed
+      const auto x = test::random_normal(static_cast<size_t>(x_stride * rows), rng);
+      std::vector<float> got(static_cast<size_t>(rows), std::numeric_limits<float>::quiet_NaN());
+      dot_rows_f32(type, w.data(), x.data(), x_stride, rows, n, got.data());
+      for (int64_t r = 0; r < rows; ++r)
+        ASSERT_EQ(f32_to_bits(got[r]), f32_to_bits(dot_row_f32(type, w.data(), x.data() + r * x_stride, n)))
+            << ggml_type_name(type) << " f32 row " << r << " of " << rows;
+
+      const GgmlType act = dot_activation_type(type);
+      const size_t act_bytes = act == GgmlType::F32 ? n * sizeof(float) : *ggml_row_bytes(act, n);
+      const size_t act_stride = act_bytes + 4;
+      std::vector<uint8_t> qx(act_stride * rows);
+      for (int64_t r = 0; r < rows; ++r) quantize_activations(act, x.data() + r * x_stride, qx.data() + r * act_stride, n);
+      std::fill(got.begin(), got.end(), std::numeric_limits<float>::quiet_NaN());
+      dot_rows_quantized(type, w.data(), qx.data(), act_stride, rows, n, got.data());
+      for (int64_t r = 0; r < rows; ++r)
+        ASSERT_EQ(f32_to_bits(got[r]), f32_to_bits(dot_row_quantized(type, w.data(), qx.data() + r * act_stride, n)))
+            << ggml_type_name(type) << " quantized row " << r << " of " << rows;
+    }
+  }
+}
+
 TEST(QuantDot, QuantizedDotPropagatesNaNWeights) {
   // A NaN weight scale must not vanish in the integer path.
   std::mt19937_64 rng(test::test_seed());
