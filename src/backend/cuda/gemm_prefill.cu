@@ -18,46 +18,42 @@ Status cublas_status(cublasStatus_t s, const char* what, const char* file, int l
 }
 #define DSV4_CUBLAS_TRY(call) DSV4_TRY(cublas_status((call), #call, __FILE__, __LINE__))
 
-// One thread per wide unit (32 to 128 weights): decode from global memory, write bf16 in
-// 16-byte stores.
+// One thread per 32 weights (one part of a wide unit, decoded whole and the rest dropped):
+// neighbouring threads write neighbouring 64-byte pieces.
 template <GgmlType T>
 __global__ void dequantize_bf16_kernel(const uint8_t* __restrict__ w, int64_t n, int64_t k, int64_t row_bytes,
                                        const uint64_t* grid, const uint8_t* signs, __nv_bfloat16* __restrict__ out) {
   using U = QuantUnit<T>;
-  constexpr int kUnitWeights = 32 * U::kSub;
-  const int64_t units_per_row = (k + kUnitWeights - 1) / kUnitWeights;
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (unit >= n * units_per_row) return;
-  const int64_t row = unit / units_per_row;
-  const int u = static_cast<int>(unit % units_per_row);
-  const int64_t left = k / 32 - int64_t{u} * U::kSub;
-  const int valid = left < U::kSub ? static_cast<int>(left) : U::kSub;
-  int part;
-  const uint8_t* at = unit_address<U>(w + row * row_bytes, u, part);
+  const int64_t parts_per_row = k / 32;
+  const int64_t part = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (part >= n * parts_per_row) return;
+  const int64_t row = part / parts_per_row;
+  const int p = static_cast<int>(part % parts_per_row);
+  const int u = p / U::kSub, j = p % U::kSub;
+  const int valid = min(U::kSub, static_cast<int>(parts_per_row) - u * U::kSub);
+  int where;
+  const uint8_t* at = unit_address<U>(w + row * row_bytes, u, where);
   Unit32 d[U::kSub];
-  U::decode(at, part, Iq2Tables{grid, signs}, d, valid);
-  __nv_bfloat16* dst_row = out + row * k + int64_t{u} * kUnitWeights;
+  U::decode(at, where, Iq2Tables{grid, signs}, d, valid);
+  Unit32 mine = d[0];
 #pragma unroll
-  for (int j = 0; j < U::kSub; ++j) {
-    if (j < valid) {
-      uint4 packed[4];
-      auto* h = reinterpret_cast<__nv_bfloat162*>(packed);
+  for (int i = 1; i < U::kSub; ++i)
+    if (i == j) mine = d[i];
+  uint4 packed[4];
+  auto* h = reinterpret_cast<__nv_bfloat162*>(packed);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float a = i < 4 ? d[j].a0 : d[j].a1;
-        const float b = i < 4 ? d[j].b0 : d[j].b1;
-        const int q = d[j].q[i];
-        float v[4];
+  for (int i = 0; i < 8; ++i) {
+    const float a = i < 4 ? mine.a0 : mine.a1;
+    const float b = i < 4 ? mine.b0 : mine.b1;
+    float v[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = a * static_cast<float>(static_cast<int8_t>(q >> (8 * e))) - b;
-        h[2 * i] = __floats2bfloat162_rn(v[0], v[1]);
-        h[2 * i + 1] = __floats2bfloat162_rn(v[2], v[3]);
-      }
-      uint4* dst = reinterpret_cast<uint4*>(dst_row + 32 * j);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) dst[i] = packed[i];
-    }
+    for (int e = 0; e < 4; ++e) v[e] = a * static_cast<float>(static_cast<int8_t>(mine.q[i] >> (8 * e))) - b;
+    h[2 * i] = __floats2bfloat162_rn(v[0], v[1]);
+    h[2 * i + 1] = __floats2bfloat162_rn(v[2], v[3]);
   }
+  uint4* dst = reinterpret_cast<uint4*>(out + part * 32);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[i] = packed[i];
 }
 
 __global__ void f32_to_bf16_kernel(const float* __restrict__ x, int64_t count, __nv_bfloat16* __restrict__ out) {
@@ -71,7 +67,7 @@ Status launch_dequantize(const void* w, int64_t n, int64_t k, __nv_bfloat16* out
   const uint8_t* signs = nullptr;
   if constexpr (T == GgmlType::IQ2_XXS) DSV4_TRY(detail::iq2_tables(&grid, &signs));
   const auto& traits = ggml_traits(T);
-  const int64_t units = n * ((k + 32 * QuantUnit<T>::kSub - 1) / (32 * QuantUnit<T>::kSub));
+  const int64_t units = n * (k / 32);
   constexpr int kThreads = 256;
   dequantize_bf16_kernel<T><<<static_cast<unsigned>((units + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(w), n, k, static_cast<int64_t>(k / traits.block_elems * traits.block_bytes), grid,
