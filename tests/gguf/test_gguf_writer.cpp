@@ -113,6 +113,33 @@ TEST_P(GgufWriterAlignmentTest, PlacesEveryTensorOnTheAlignment) {
 
 INSTANTIATE_TEST_SUITE_P(Alignments, GgufWriterAlignmentTest, ::testing::Values(1, 8, 32, 64, 4096));
 
+TEST_F(GgufWriterTest, WritesGeneralAlignmentFromItsOptionOnly) {
+  // A caller's general.alignment would describe a layout the writer did not produce.
+  const std::string a = dir_ / "a.gguf", b = dir_ / "b.gguf";
+  std::vector<std::pair<std::string, Value>> md = {{"general.alignment", Value::u32(64)}};
+  ASSERT_TRUE(write_file(a, md, tensors_).is_ok());
+  ASSERT_TRUE(write_file(b, md, tensors_, {.alignment = 128}).is_ok());
+  auto fa = GgufFile::open(a);
+  auto fb = GgufFile::open(b);
+  ASSERT_TRUE(fa && fb);
+  EXPECT_EQ(fa->find("general.alignment"), nullptr);
+  EXPECT_EQ(fa->alignment(), 32u);
+  EXPECT_EQ(fb->find("general.alignment")->as_u64(), 128u);
+  expect_tensors_equal(*fa, tensors_);
+  expect_tensors_equal(*fb, tensors_);
+}
+
+TEST_F(GgufWriterTest, RoundTripsAScalarTensorWithNoDimensions) {
+  const std::string path = dir_ / "scalar.gguf";
+  const std::vector<TensorSpec> scalar = {{"scale", GgmlType::F32, {}, {0x00, 0x00, 0xc0, 0x3f}}};
+  ASSERT_TRUE(write_file(path, {}, scalar).is_ok());
+  auto f = GgufFile::open(path);
+  ASSERT_TRUE(f) << f.status().message();
+  EXPECT_EQ(f->tensors()[0].n_elements(), 1u);
+  EXPECT_EQ(f->tensors()[0].shape_string(), "[]");
+  expect_tensors_equal(*f, scalar);
+}
+
 TEST_F(GgufWriterTest, RejectsAlignmentThatIsNotAPowerOfTwo) {
   GgufWriter w(dir_ / "bad.gguf", {.alignment = 48});
   Status s = w.begin();
