@@ -4,6 +4,8 @@
 // size, alignment, duplicate names, tensor types) before returning; every malformed input
 // is a Status naming the file, the field and the offending value. Tensor data is never
 // copied: TensorInfo::data points into the mapping, which lives as long as the GgufFile.
+// A GgufFile does not change after open(), so threads may share one. docs/GGUF.md lists
+// what is validated.
 #pragma once
 
 #include <cstdint>
