@@ -69,7 +69,9 @@ QuantizedActivations quantized_activations_view(void* buffer, int64_t rows, int6
 Status quantize_activations_q8(const float* x, const QuantizedActivations& out, cudaStream_t stream) {
   if (out.k <= 0 || out.k % 32 != 0 || out.layout.unit_weights % 32 != 0 || out.layout.lanes < 1 ||
       out.layout.lanes > 32 || (out.layout.lanes & (out.layout.lanes - 1)) != 0)
-    return Status::error("quantize_activations_q8: k = " + std::to_string(out.k) + " is not a positive multiple of 32, or bad layout");
+    return Status::error("quantize_activations_q8: k = " + std::to_string(out.k) + ", units of " +
+                         std::to_string(out.layout.unit_weights) + " over " + std::to_string(out.layout.lanes) +
+                         " lanes: k and the unit must be multiples of 32, lanes a power of two up to 32");
   const int64_t n_blocks = out.rows * out.k / 32;
   if (n_blocks == 0) return Status::ok();
   constexpr int kThreads = 256;

@@ -105,7 +105,9 @@ struct QuantPolicy {
                                     const Iq2Tables& tables) {
     const int unit = t * act.lanes + slot;
     // Sub-units past the row's end (MXFP4 and Q8_0 rows of an odd number of 128-weight units).
-    const int valid = min(Unit::kSub, act.subunits_per_row - unit * Unit::kSub);
+    // K-quant and IQ2_XXS rows hold whole units (k is a multiple of 256): no run-time bound.
+    const int valid =
+        Unit::kBlocksPerUnit == 0 ? Unit::kSub : min(Unit::kSub, act.subunits_per_row - unit * Unit::kSub);
     int part;
     const uint8_t* at = unit_address<Unit>(row, unit, part);
     Unit32 u[Unit::kSub];
@@ -198,11 +200,19 @@ __device__ __forceinline__ const uint8_t* source_rows(const MatvecArgs& a, int64
   return base + matrix * a.matrix_stride + r0 * a.row_bytes;
 }
 
+// Task and first row of group g (32-bit division: the host keeps the group count below 2^31).
+__device__ __forceinline__ void split_group(const MatvecArgs& a, int64_t g, int64_t& task, int64_t& r0) {
+  const uint32_t gi = static_cast<uint32_t>(g), blocks = static_cast<uint32_t>(a.row_blocks);
+  const uint32_t t = gi / blocks;
+  task = t;
+  r0 = static_cast<int64_t>(gi - t * blocks) * a.rows_per_group;
+}
+
 template <MatvecMode M>
 __device__ __forceinline__ void issue_group(const MatvecArgs& a, int64_t g, int64_t total, uint8_t* stage, int lane) {
   if (g < total) {
-    const int64_t task = g / a.row_blocks;
-    const int64_t r0 = (g % a.row_blocks) * a.rows_per_group;
+    int64_t task, r0;
+    split_group(a, g, task, r0);
     const int64_t rows = min(static_cast<int64_t>(a.rows_per_group), a.n - r0);
     const int n_src = sources_of<M>(a);
     for (int s = 0; s < n_src; ++s) {
@@ -219,8 +229,10 @@ __device__ __forceinline__ void issue_group(const MatvecArgs& a, int64_t g, int6
 // Sum over each aligned group of `width` lanes (a power of two); every lane takes part.
 __device__ __forceinline__ float group_sum(float v, int width) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    if (o < width) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  for (int o = 16; o > 0; o >>= 1) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, v, o);  // every lane, no divergence
+    v += o < width ? other : 0.0f;
+  }
   return v;
 }
 
@@ -229,8 +241,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 template <class Policy, int NR, MatvecMode M>
 __device__ __forceinline__ void compute_group(const MatvecArgs& a, int64_t g, const uint8_t* stage, int lane,
                                               const Iq2Tables& tables) {
-  const int64_t task = g / a.row_blocks;
-  const int64_t r0 = (g % a.row_blocks) * a.rows_per_group;
+  int64_t task, r0;
+  split_group(a, g, task, r0);
   const int64_t rows = min(static_cast<int64_t>(a.rows_per_group), a.n - r0);
   const int n_src = sources_of<M>(a);
 

@@ -94,6 +94,8 @@ Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t 
   }
   DSV4_ASSIGN_OR_RETURN(const int sms, sm_count());
   const int64_t groups = max_tasks * a.row_blocks;
+  if (groups >= (int64_t{1} << 31))
+    return Status::error("matvec: " + std::to_string(groups) + " row groups, limit 2^31");
   const int64_t wanted = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{sms} * std::max(blocks_per_sm, 1)));
   cudaLaunchConfig_t config{};
