@@ -32,16 +32,15 @@ inline __m256 mul_unfused_ps(__m256 a, __m256 b) {
   return p;
 }
 
-// 8 integers (bytes, signed or not) of `v`'s low 64 bits as floats.
-inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+// 8 signed bytes of `v`'s low 64 bits as floats.
 inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-// Writes 16 byte levels (signed or not) as floats: out = scale*q - offset.
-template <bool kSigned, bool kOffset>
+// Writes 16 int8 levels as floats: out = scale*q - offset (without kOffset: scale*q).
+template <bool kOffset>
 inline void emit16(__m128i q, float scale, float offset, float* out) {
   const __m256 s = _mm256_set1_ps(scale);
-  const __m256 lo = kSigned ? i8x8_to_ps(q) : u8x8_to_ps(q);
-  const __m256 hi = kSigned ? i8x8_to_ps(_mm_srli_si128(q, 8)) : u8x8_to_ps(_mm_srli_si128(q, 8));
+  const __m256 lo = i8x8_to_ps(q);
+  const __m256 hi = i8x8_to_ps(_mm_srli_si128(q, 8));
   if constexpr (kOffset) {
     const __m256 o = _mm256_set1_ps(offset);
     _mm256_storeu_ps(out, _mm256_sub_ps(mul_unfused_ps(s, lo), o));
@@ -53,10 +52,10 @@ inline void emit16(__m128i q, float scale, float offset, float* out) {
 }
 
 // 32 levels: the first 16 with (scale0, offset0), the last 16 with (scale1, offset1).
-template <bool kSigned, bool kOffset>
+template <bool kOffset>
 inline void emit32(__m256i q, float scale0, float offset0, float scale1, float offset1, float* out) {
-  emit16<kSigned, kOffset>(_mm256_castsi256_si128(q), scale0, offset0, out);
-  emit16<kSigned, kOffset>(_mm256_extracti128_si256(q, 1), scale1, offset1, out + 16);
+  emit16<kOffset>(_mm256_castsi256_si128(q), scale0, offset0, out);
+  emit16<kOffset>(_mm256_extracti128_si256(q, 1), scale1, offset1, out + 16);
 }
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -192,7 +191,7 @@ constexpr bool kHasOffset = std::is_same_v<Block, block_q2_K> || std::is_same_v<
 template <typename Block>
 void decode_levels(const Block& b, float* out) {
   levels(b, [&](int chunk, __m256i q, float s0, float o0, float s1, float o1) {
-    emit32<true, kHasOffset<Block>>(q, s0, o0, s1, o1, out + 32 * chunk);
+    emit32<kHasOffset<Block>>(q, s0, o0, s1, o1, out + 32 * chunk);
   });
 }
 void decode(const block_q2_K& b, float* out) { decode_levels(b, out); }

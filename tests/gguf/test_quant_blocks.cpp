@@ -226,7 +226,9 @@ TEST(QuantBlocks, QuantizeRoundTripErrorBounds) {
     const double e = relative_rmse(x, back);
     EXPECT_LE(e, c.max_relative_rmse) << name_of(c.type) << " seed " << test::test_seed();
     // A lossy type that reproduced its input exactly would mean the test data were trivial.
-    if (c.max_relative_rmse > 1e-3) EXPECT_GT(e, c.max_relative_rmse / 20) << name_of(c.type);
+    if (c.max_relative_rmse > 1e-3) {
+      EXPECT_GT(e, c.max_relative_rmse / 20) << name_of(c.type);
+    }
   }
 }
 

@@ -74,7 +74,9 @@ TEST(QuantDot, QuantizedDotWithinActivationErrorBound) {
       EXPECT_LE(std::fabs(static_cast<double>(portable) - ref), bound)
           << ggml_type_name(type) << " (portable path) n=" << n << " seed " << test::test_seed();
       // The bound must not be vacuous: it stays well below the size of the products.
-      if (quantized) EXPECT_LT(bound, 0.05 * magnitude) << ggml_type_name(type);
+      if (quantized) {
+        EXPECT_LT(bound, 0.05 * magnitude) << ggml_type_name(type);
+      }
     }
   }
 }
