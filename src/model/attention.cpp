@@ -63,6 +63,7 @@ Result<Tensor> ForwardPass::attention(uint32_t b, const Tensor& x, const Forward
   DSV4_TRY(be.rms_norm(kv, &bw.kv_norm, c.rms_eps, hd, kv));
   DSV4_TRY(be.rope(kv, hd, rows.positions, rope, false));
   if (opt.qat) DSV4_TRY(be.round_fp8_blocks(kv, c.nope_dims(), 64));
+  DSV4_TRY(note(b, "kv", kv));
 
   DSV4_ASSIGN_OR_RETURN(Tensor o, f32({n, heads * hd}));
   for (const SequenceRows& r : rows.items)
@@ -133,9 +134,13 @@ Status ForwardPass::attend_sequence(uint32_t b, const SequenceRows& r, const Ten
       for (int64_t e = 0; e < (t + 1) / ratio; ++e) row[win + e] = static_cast<int32_t>(keys.rows() + e);
   }
   DSV4_ASSIGN_OR_RETURN(Tensor idx_t, i32(idx, {r.n, slots}));
-  if (kind == AttentionKind::CSA && n_entries > 0)
-    DSV4_TRY(indexer(b, r, x, qr, positions, cache.index_keys.slice(0, n_entries),
-                     static_cast<int32_t>(keys.rows()), idx_t.columns(win, comp_slots)));
+  if (kind == AttentionKind::CSA) {
+    const Tensor chosen = idx_t.columns(win, comp_slots);
+    if (n_entries > 0)
+      DSV4_TRY(indexer(b, r, x, qr, positions, cache.index_keys.slice(0, n_entries),
+                       static_cast<int32_t>(keys.rows()), chosen));
+    DSV4_TRY(note(b, "index_topk", chosen, static_cast<int32_t>(keys.rows())));
+  }
 
   const Tensor entries = n_entries ? cache.entries.slice(0, n_entries) : Tensor{};
   DSV4_TRY(be.sparse_attention(q, keys, entries, idx_t, bw.sinks,
@@ -170,12 +175,11 @@ Result<Tensor> ForwardPass::compress(uint32_t b, const CompressorWeights& cw, bo
   for (int64_t e = 0; e < written; ++e) pos[e] = static_cast<int32_t>((first_entry + e) * ratio);
   DSV4_ASSIGN_OR_RETURN(Tensor pos_t, i32(pos, {written}));
   DSV4_TRY(be.rope(entries, width, pos_t, rope_params(b), false));
-  if (indexer) {
-    DSV4_TRY(be.hadamard(entries, width));  // in both modes; QAT adds the FP4 rounding
-    if (opt.qat) DSV4_TRY(be.round_fp4_blocks(entries, 32));
-  } else if (opt.qat) {
-    DSV4_TRY(be.round_fp8_blocks(entries, c.nope_dims(), 64));
-  }
+  if (indexer) DSV4_TRY(be.hadamard(entries, width));  // in both modes; QAT adds the FP4 rounding
+  DSV4_TRY(note(b, indexer ? "indexer_kv_prequant" : "compressed_kv_prequant", entries));
+  if (opt.qat)
+    DSV4_TRY(indexer ? be.round_fp4_blocks(entries, 32) : be.round_fp8_blocks(entries, c.nope_dims(), 64));
+  DSV4_TRY(note(b, indexer ? "indexer_kv" : "compressed_kv", entries));
   return entries;
 }
 

@@ -1,6 +1,8 @@
 // Blocks, hyper-connections, embedding and heads (spec §2, §5).
 #include "model/forward.h"
 
+#include <fmt/format.h>
+
 namespace dsv4 {
 
 using backend::Tensor;
@@ -57,14 +59,23 @@ Status ForwardPass::block(uint32_t b, const Tensor& streams, const ForwardRows& 
   DSV4_ASSIGN_OR_RETURN(HcMix attn_mix, hc_pre(bw.hc_attn, streams));
   DSV4_ASSIGN_OR_RETURN(Tensor attn_in, f32({rows.n, d}));
   DSV4_TRY(be.rms_norm(attn_mix.x, &bw.attn_norm, c.rms_eps, d, attn_in));
+  DSV4_TRY(note(b, "attn_in", attn_in));
   DSV4_ASSIGN_OR_RETURN(Tensor attn_out, attention(b, attn_in, rows));
+  DSV4_TRY(note(b, "attn_out", attn_out));
   DSV4_TRY(hc_post(attn_out, attn_mix, streams));
 
   DSV4_ASSIGN_OR_RETURN(HcMix ffn_mix, hc_pre(bw.hc_ffn, streams));
   DSV4_ASSIGN_OR_RETURN(Tensor ffn_in, f32({rows.n, d}));
   DSV4_TRY(be.rms_norm(ffn_mix.x, &bw.ffn_norm, c.rms_eps, d, ffn_in));
   DSV4_ASSIGN_OR_RETURN(Tensor ffn_out, moe(b, ffn_in, rows));
-  return hc_post(ffn_out, ffn_mix, streams);
+  DSV4_TRY(note(b, "ffn_out", ffn_out));
+  DSV4_TRY(hc_post(ffn_out, ffn_mix, streams));
+  return note(b, "out_streams", streams);
+}
+
+Status ForwardPass::record(uint32_t b, const char* what, const Tensor& t, int32_t index_offset) const {
+  const std::string block = c.is_mtp(b) ? fmt::format("mtp.{}", b - c.n_layers) : fmt::format("layers.{}", b);
+  return trace->record(fmt::format("{}.{}", block, what), t, index_offset);
 }
 
 Result<Tensor> ForwardPass::head(const HcSite& hc, const Tensor& norm, const Tensor& output,

@@ -13,6 +13,7 @@
 #include "model/cache.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "model/trace.h"
 #include "model/weights.h"
 
 namespace dsv4 {
@@ -37,6 +38,7 @@ struct ForwardPass {
   const ModelWeights& w;
   const ModelOptions& opt;
   backend::Backend& be;
+  ForwardTrace* trace = nullptr;  // optional: receives the named intermediates (trace.h)
 
   // Upload the rows' tokens and positions.
   Result<ForwardRows> make_rows(std::vector<SequenceRows> items,
@@ -77,6 +79,12 @@ struct ForwardPass {
 
   // §4 (moe.cpp).
   Result<backend::Tensor> moe(uint32_t b, const backend::Tensor& x, const ForwardRows& rows) const;
+
+  // Records block b's quantity `what` in the trace, if any (trace.h: names, offsets).
+  Status note(uint32_t b, const char* what, const backend::Tensor& t, int32_t index_offset = 0) const {
+    return trace ? record(b, what, t, index_offset) : Status::ok();
+  }
+  Status record(uint32_t b, const char* what, const backend::Tensor& t, int32_t index_offset) const;
 
   Result<backend::Tensor> f32(std::vector<int64_t> shape) const {
     return be.alloc(GgmlType::F32, shape);

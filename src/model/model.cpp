@@ -43,8 +43,8 @@ Result<std::unique_ptr<Sequence>> Model::new_sequence(const SequenceOptions& so)
   seq->plan_ = plan;
   seq->budget_ = so.shared_budget;
   seq->committed_ = plan.fixed();
-  seq->entry_row_bytes_ = uint64_t{c.head_dim} * sizeof(float);
-  seq->key_row_bytes_ = uint64_t{c.index_head_dim} * sizeof(float);
+  seq->entry_row_bytes_ = kv_entry_bytes(c, CacheFormat::F32);
+  seq->key_row_bytes_ = index_key_bytes(c, CacheFormat::F32);
   backend::Backend& be = *backend_;
   const int64_t hd = c.head_dim, ctx = static_cast<int64_t>(plan.context);
   const auto state = [&](int64_t rows, int64_t cols, Tensor& kv, Tensor& score) -> Status {
@@ -73,9 +73,9 @@ Result<std::unique_ptr<Sequence>> Model::new_sequence(const SequenceOptions& so)
   return seq;
 }
 
-Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out) const {
+Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, ForwardTrace* trace) const {
   if (batch.empty()) return Status::error("forward: empty batch");
-  const ForwardPass fp{config_, *weights_, options_, *backend_};
+  const ForwardPass fp{config_, *weights_, options_, *backend_, trace};
   std::vector<SequenceRows> items;
   std::vector<int32_t> tokens;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -101,6 +101,7 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out) cons
   DSV4_ASSIGN_OR_RETURN(ForwardRows rows, fp.make_rows(items, tokens));
   DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.embed(weights_->token_embd, rows));
   for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block(b, streams, rows));
+  if (trace) DSV4_TRY(trace->record("final_streams", streams));
   for (const SequenceRows& r : rows.items) r.seq->position_ += r.n;
 
   // Logits only for the rows asked for.
@@ -132,10 +133,10 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out) cons
   return backend_->download(logits, out.logits.data(), out.logits.size() * sizeof(float));
 }
 
-Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch) const {
+Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace) const {
   if (!has_mtp()) return Status::error("mtp: the model has no MTP block");
   if (batch.empty()) return Status::error("mtp: empty batch");
-  const ForwardPass fp{config_, *weights_, options_, *backend_};
+  const ForwardPass fp{config_, *weights_, options_, *backend_, trace};
   const uint32_t b = config_.n_layers;  // the (first) MTP block
   const int64_t width = int64_t{config_.hc_mult} * config_.hidden;
   std::vector<SequenceRows> items;

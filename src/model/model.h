@@ -28,6 +28,7 @@
 namespace dsv4 {
 namespace gguf { class GgufFile; }
 struct ModelWeights;
+class ForwardTrace;
 
 struct ModelOptions {
   // The official QAT roundings (spec §9.1-2): FP8 window/compressed KV, Hadamard + FP4
@@ -75,10 +76,13 @@ class Model {
   // model's context length or the plan exceeds memory_budget.
   Result<std::unique_ptr<Sequence>> new_sequence(const SequenceOptions& options = {}) const;
 
-  Status forward(std::span<const BatchItem> batch, ForwardOutput& out) const;
+  // With a trace, every named intermediate is recorded into it (trace.h); without one,
+  // nothing is recorded and nothing is spent.
+  Status forward(std::span<const BatchItem> batch, ForwardOutput& out,
+                 ForwardTrace* trace = nullptr) const;
 
   // Draft logits of the MTP block, one row per input position: [n, vocab].
-  Result<std::vector<float>> mtp(std::span<const MtpItem> batch) const;
+  Result<std::vector<float>> mtp(std::span<const MtpItem> batch, ForwardTrace* trace = nullptr) const;
 
   // Conveniences over forward() for one sequence.
   Result<std::vector<float>> prefill(Sequence& seq, std::span<const int32_t> tokens,

@@ -15,6 +15,8 @@ Result<Tensor> ForwardPass::moe(uint32_t b, const Tensor& x, const ForwardRows& 
   const bool hash = c.is_hash_layer(b);
   DSV4_TRY(be.route(logits, hash ? nullptr : &bw.exp_probs_b, hash ? &bw.tid2eid : nullptr,
                     rows.tokens, static_cast<int>(k), c.routed_scale, experts, weights));
+  DSV4_TRY(note(b, "router_experts", experts));
+  DSV4_TRY(note(b, "router_weights", weights));
 
   DSV4_ASSIGN_OR_RETURN(Tensor y, f32({n, static_cast<int64_t>(c.hidden)}));  // zeros
   DSV4_TRY(be.moe_experts(x, bw.gate_exps, bw.up_exps, bw.down_exps, experts, weights,

@@ -6,74 +6,21 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "convert/safetensors.h"
 #include "model/model.h"
-#include "support/test_support.h"
+#include "tools/fixture_reference.h"
 
 namespace dsv4 {
 namespace {
 
-struct Reference {
-  std::unique_ptr<convert::SafetensorsFile> file;
-
-  const convert::StTensor& get(const std::string& name) const {
-    const convert::StTensor* t = file->find(name);
-    EXPECT_NE(t, nullptr) << name;
-    return *t;
-  }
-  std::vector<float> f32(const std::string& name) const {
-    const convert::StTensor& t = get(name);
-    EXPECT_EQ(t.dtype, convert::StDtype::F32) << name;
-    std::vector<float> v(t.n_elements());
-    std::memcpy(v.data(), t.data, t.nbytes);
-    return v;
-  }
-  std::vector<int32_t> i32(const std::string& name) const {
-    const convert::StTensor& t = get(name);
-    EXPECT_EQ(t.dtype, convert::StDtype::I32) << name;
-    std::vector<int32_t> v(t.n_elements());
-    std::memcpy(v.data(), t.data, t.nbytes);
-    return v;
-  }
-};
-
-struct RowErrors {
-  std::vector<double> rel;  // per row ||a - b|| / ||b||
-  int argmax_same = 0;
-  bool finite = true;
-  double median() const {
-    std::vector<double> s = rel;
-    std::sort(s.begin(), s.end());
-    return s[s.size() / 2];
-  }
-  double max() const { return *std::max_element(rel.begin(), rel.end()); }
-};
-
-RowErrors compare_rows(const std::vector<float>& got, const std::vector<float>& want, int64_t cols) {
-  EXPECT_EQ(got.size(), want.size());
-  RowErrors e;
-  const int64_t rows = static_cast<int64_t>(std::min(got.size(), want.size())) / cols;
-  for (int64_t r = 0; r < rows; ++r) {
-    double diff = 0, norm = 0;
-    const float* a = &got[r * cols];
-    const float* b = &want[r * cols];
-    for (int64_t i = 0; i < cols; ++i) {
-      if (!std::isfinite(a[i])) e.finite = false;
-      diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-      norm += double(b[i]) * b[i];
-    }
-    e.rel.push_back(std::sqrt(diff / norm));
-    e.argmax_same += std::max_element(a, a + cols) - a == std::max_element(b, b + cols) - b;
-  }
-  return e;
-}
+using test::compare_rows;
+using test::RowErrors;
 
 // README "QAT off (strict)": every row within 1e-4 and the same argmax.
 void expect_strict(const RowErrors& e, const char* what) {
@@ -95,28 +42,13 @@ void expect_statistical(const RowErrors& e, const char* what) {
 
 class FixtureForward : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = std::make_unique<test::TempDir>();
-    gguf_ = (dir_->path() / "tiny-f32.gguf").string();
-    const auto r = test::run_command(test::cli_path().string() + " convert " +
-                                     (test::fixture_dir() / "checkpoint").string() + " -o " +
-                                     gguf_ + " --recipe f32 --threads 2");
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    auto st = convert::SafetensorsFile::open(test::fixture_dir() / "reference.safetensors");
-    ASSERT_TRUE(st.is_ok()) << st.status().message();
-    ref_.file = std::make_unique<convert::SafetensorsFile>(std::move(st).value());
-    cpu_ = std::make_unique<backend::CpuBackend>(2);
-  }
-  static void TearDownTestSuite() {
-    ref_.file.reset();
-    cpu_.reset();
-    dir_.reset();
-  }
+  static void SetUpTestSuite() { cpu_ = std::make_unique<backend::CpuBackend>(2); }
+  static void TearDownTestSuite() { cpu_.reset(); }
 
   std::unique_ptr<Model> load(bool qat) {
     ModelOptions o;
     o.qat = qat;
-    auto m = Model::load(gguf_, *cpu_, o);
+    auto m = Model::load(test::fixture_gguf_f32(), *cpu_, o);
     EXPECT_TRUE(m.is_ok()) << m.status().message();
     return m.is_ok() ? std::move(m).value() : nullptr;
   }
@@ -168,16 +100,11 @@ class FixtureForward : public ::testing::Test {
     return r.is_ok() ? *r : std::vector<float>{};
   }
 
-  static std::unique_ptr<test::TempDir> dir_;
-  static std::string gguf_;
-  static Reference ref_;
+  const test::FixtureReference& ref_ = test::FixtureReference::get();
   static std::unique_ptr<backend::CpuBackend> cpu_;
   static constexpr int64_t kVocab = 512;
 };
 
-std::unique_ptr<test::TempDir> FixtureForward::dir_;
-std::string FixtureForward::gguf_;
-Reference FixtureForward::ref_;
 std::unique_ptr<backend::CpuBackend> FixtureForward::cpu_;
 
 TEST_F(FixtureForward, PrefillLogitsQatOff) {
@@ -208,8 +135,12 @@ TEST_F(FixtureForward, DecodeTeacherForced) {
                      "decode_logits_qat");
 }
 
-// README item 5: greedy decoding with QAT on reproduces decode_tokens[40:48] (step 7 has
-// a near-tie, so later tokens may legitimately differ; the count is printed).
+// Issue 4: the 40-token prefill and 32 greedy decode steps with QAT on reproduce
+// decode_tokens[40:72] exactly. The README (item 5) only promises the first 8: step 7
+// (logits at position 47) has a top-2 gap of 0.0042, the next smallest is 0.033 (step 21),
+// the rest exceed 0.08. A failure from step 7 on, with the teacher-forced logits still
+// within tolerance, is most likely that near-tie flipping under a change of fp32 rounding
+// order, not a wrong forward pass; the printed gap says how close the step was.
 TEST_F(FixtureForward, GreedyDecodeQat) {
   const auto want = ref_.i32("decode_tokens");
   auto m = load(true);
@@ -219,16 +150,15 @@ TEST_F(FixtureForward, GreedyDecodeQat) {
   ASSERT_TRUE(logits.is_ok());
   int same = 0;
   for (int j = 0; j < 32; ++j) {
+    std::vector<float> sorted = *logits;
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
     const int32_t next = static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin());
-    if (j < 8) {
-      EXPECT_EQ(next, want[40 + j]) << "greedy step " << j;
-    }
-    same += next == want[40 + j];
-    if (next != want[40 + j]) break;
+    ASSERT_EQ(next, want[40 + j]) << "greedy step " << j << " (top-2 gap " << sorted[0] - sorted[1] << ")";
+    ++same;
     logits = m->decode(*seq, next);
     ASSERT_TRUE(logits.is_ok()) << logits.status().message();
   }
-  std::printf("[ measured ] greedy QAT decode: first %d of 32 tokens equal decode_tokens\n", same);
+  std::printf("[ measured ] greedy QAT decode: %d of 32 tokens equal decode_tokens\n", same);
 }
 
 TEST_F(FixtureForward, ShortPrefillThenDecodeQat) {
