@@ -3,32 +3,14 @@
 #include <fmt/format.h>
 
 namespace dsv4 {
-namespace {
-constexpr uint64_t kF32 = 4;
-}
 
 Result<CachePlan> CachePlan::compute(const ModelConfig& config, uint64_t context, bool with_mtp) {
   if (context == 0 || context > config.context_length)
     return Status::errorf("cache plan: context {} outside [1, {}] (the model's context length)",
                           context, config.context_length);
-  // The layout gives the structure (window slots, entries per ratio, fp32 compressor
-  // states); the reference numerics store every vector as fp32.
-  const CacheLayout layout = plan_cache_layout(config, CacheFormat::ReferenceBf16);
-  CachePlan p;
-  p.context = context;
-  const uint64_t entry = uint64_t{config.head_dim} * kF32, key = uint64_t{config.index_head_dim} * kF32;
-  for (const BlockCache& b : layout.blocks) {
-    if (config.is_mtp(b.block) && !with_mtp) continue;
-    p.windows += uint64_t{b.window_slots} * entry;
-    p.compressor_states += b.compressor_state_bytes + b.indexer_state_bytes;
-    if (b.kind == AttentionKind::CSA) {
-      p.csa_entries += b.entries(context) * entry;
-      p.index_keys += b.entries(context) * key;
-    } else if (b.kind == AttentionKind::HCA) {
-      p.hca_entries += b.entries(context) * entry;
-    }
-  }
-  return p;
+  CacheLayout layout = plan_cache_layout(config, CacheFormat::F32);
+  if (!with_mtp) layout.blocks.resize(config.n_layers);  // trunk blocks come first
+  return CachePlan{layout.totals_at(context), context};
 }
 
 std::string CachePlan::describe() const {

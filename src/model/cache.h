@@ -4,8 +4,8 @@
 // Each block keeps a window ring (slot = position mod window) of KV vectors; compressed
 // blocks (CSA, HCA) add their compressed entries and the fp32 compressor state of the
 // open block(s); CSA blocks add the indexer's keys and compressor state. The reference
-// numerics keep every vector in fp32 (the QAT roundings, when on, put the values on the
-// FP8/FP4 grids, but they stay fp32 here).
+// numerics keep every vector in fp32, cache_layout.h's F32 format (the QAT roundings, when
+// on, put the values on the FP8/FP4 grids, but they stay fp32 here).
 //
 // Entries and indexer keys are reserved for the whole context but committed only as
 // rows are written, each commit charged to an optional CacheBudget shared by many
@@ -25,18 +25,13 @@
 
 namespace dsv4 {
 
-// Bytes of each part of one sequence's cache after `context` tokens.
-struct CachePlan {
+// Bytes of each part of one sequence's cache after `context` tokens: the F32 cache
+// layout's totals (windows and compressor states fixed; CSA entries, indexer keys and
+// HCA entries growing with the tokens).
+struct CachePlan : CacheTotals {
   uint64_t context = 0;
-  uint64_t windows = 0;            // every block's ring (fixed)
-  uint64_t compressor_states = 0;  // main + indexer compressors (fixed)
-  uint64_t csa_entries = 0;        // grow with the tokens
-  uint64_t index_keys = 0;
-  uint64_t hca_entries = 0;
 
-  uint64_t fixed() const { return windows + compressor_states; }
-  uint64_t total() const { return fixed() + csa_entries + index_keys + hca_entries; }
-  std::string describe() const;  // one line per part
+  std::string describe() const;  // every part on one line
 
   // Fails when `context` exceeds the model's context length. `with_mtp` includes the MTP
   // blocks' windows.

@@ -15,11 +15,20 @@ uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 }  // namespace
 
 std::string_view cache_format_name(CacheFormat format) {
-  return format == CacheFormat::Packed ? "packed fp8/fp4" : "reference bf16";
+  switch (format) {
+    case CacheFormat::F32: return "fp32";
+    case CacheFormat::ReferenceBf16: return "reference bf16";
+    case CacheFormat::Packed: return "packed fp8/fp4";
+  }
+  return "?";
 }
 
 uint64_t kv_entry_bytes(const ModelConfig& c, CacheFormat format) {
-  if (format == CacheFormat::ReferenceBf16) return uint64_t{c.head_dim} * kBf16Bytes;
+  switch (format) {
+    case CacheFormat::F32: return uint64_t{c.head_dim} * kFp32Bytes;
+    case CacheFormat::ReferenceBf16: return uint64_t{c.head_dim} * kBf16Bytes;
+    case CacheFormat::Packed: break;
+  }
   const uint64_t nope = c.nope_dims();
   const uint64_t raw = nope + uint64_t{c.rope_dims()} * kBf16Bytes + nope / kKvFp8Block * kScaleBytes;
   return round_up(raw, kEntryAlign);
@@ -27,7 +36,11 @@ uint64_t kv_entry_bytes(const ModelConfig& c, CacheFormat format) {
 
 uint64_t index_key_bytes(const ModelConfig& c, CacheFormat format) {
   const uint64_t d = c.index_head_dim;
-  if (format == CacheFormat::ReferenceBf16) return d * kBf16Bytes;
+  switch (format) {
+    case CacheFormat::F32: return d * kFp32Bytes;
+    case CacheFormat::ReferenceBf16: return d * kBf16Bytes;
+    case CacheFormat::Packed: break;
+  }
   return d / 2 + d / kIndexFp4Block * kScaleBytes;
 }
 

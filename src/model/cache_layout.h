@@ -6,14 +6,16 @@
 //   CSA (ratio 4) compressed KV entries, one per 4 tokens; indexer keys, one per 4 tokens;
 //                 main and indexer compressor states (fp32 kv + score of the open blocks)
 //   HCA (other)   compressed KV entries, one per `ratio` tokens; compressor state
-// Two formats of the KV entries and indexer keys:
+// Three formats of the KV entries and indexer keys:
+//   F32            fp32 vectors, as dsv4's CPU reference keeps them (fixture numerics);
 //   ReferenceBf16  bf16 vectors, as DeepSeek's reference keeps them;
 //   Packed         the lossless FP8/FP4 form of the same values (spec §6.2): an entry is
 //                  (head_dim - rope) e4m3 + rope bf16 + one ue8m0 scale per 64 e4m3
 //                  values, padded to 8 bytes; an indexer key is index_head_dim e2m1 nibbles
 //                  + one ue8m0 scale per 32.
-// Compressor states are fp32 in both formats (the layout the reference computes with).
-// The forward pass's cache allocator is built on this; `dsv4 info` prints it.
+// Compressor states are fp32 in every format (the layout the reference computes with).
+// The forward pass's cache plan (cache.h) is this layout in F32; `dsv4 info` prints the
+// bf16 and packed layouts.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +26,8 @@
 
 namespace dsv4 {
 
-enum class CacheFormat { ReferenceBf16, Packed };
-std::string_view cache_format_name(CacheFormat format);  // "reference bf16", "packed fp8/fp4"
+enum class CacheFormat { F32, ReferenceBf16, Packed };
+std::string_view cache_format_name(CacheFormat format);  // "fp32", "reference bf16", "packed fp8/fp4"
 
 // Bytes of one KV vector (window slot or compressed entry) and of one indexer key.
 uint64_t kv_entry_bytes(const ModelConfig& config, CacheFormat format);

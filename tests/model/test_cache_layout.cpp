@@ -17,6 +17,25 @@ TEST(CacheLayoutTest, FlashEntrySizes) {
   // 448 e4m3 + 64 bf16 + 7 scales = 583, padded to 584; 64 B of e2m1 + 4 scales = 68.
   EXPECT_EQ(kv_entry_bytes(c, CacheFormat::Packed), 584u);
   EXPECT_EQ(index_key_bytes(c, CacheFormat::Packed), 68u);
+  EXPECT_EQ(kv_entry_bytes(c, CacheFormat::F32), 2048u);
+  EXPECT_EQ(index_key_bytes(c, CacheFormat::F32), 512u);
+}
+
+// The CPU reference's fp32 vectors: twice the bf16 vectors, the same fp32 compressor states.
+TEST(CacheLayoutTest, F32DoublesTheBf16Vectors) {
+  const ModelConfig c = flash_config();
+  const CacheLayout f32 = plan_cache_layout(c, CacheFormat::F32);
+  const CacheLayout bf16 = plan_cache_layout(c, CacheFormat::ReferenceBf16);
+  EXPECT_EQ(f32.format, CacheFormat::F32);
+  EXPECT_EQ(cache_format_name(CacheFormat::F32), "fp32");
+  EXPECT_DOUBLE_EQ(f32.bytes_per_token(), 2 * 6880.0);
+  const uint64_t n = 100003;
+  const CacheTotals a = f32.totals_at(n), b = bf16.totals_at(n);
+  EXPECT_EQ(a.windows, 2 * b.windows);
+  EXPECT_EQ(a.compressor_states, b.compressor_states);
+  EXPECT_EQ(a.csa_entries, 2 * b.csa_entries);
+  EXPECT_EQ(a.index_keys, 2 * b.index_keys);
+  EXPECT_EQ(a.hca_entries, 2 * b.hca_entries);
 }
 
 TEST(CacheLayoutTest, FlashMatchesSpecSection6) {
