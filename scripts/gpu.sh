@@ -93,8 +93,10 @@ if command -v compute-sanitizer >/dev/null; then
     >"$out/memcheck.log" 2>&1
   rc=$?; echo "memcheck exit $rc"; [ $rc -eq 0 ] || { status=1; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -10; }
 fi
+# DSV4_GPU_BENCHES="matvec moe" runs only those benchmarks (default: all three).
 for b in matvec:240 moe:150 prefill:120; do
   name=${b%%:*}; limit=${b##*:}
+  case " ${DSV4_GPU_BENCHES:-matvec moe prefill} " in *" $name "*) ;; *) continue ;; esac
   echo "== cuda_bench_$name"
   timeout "$limit" "$bin/cuda_bench_$name" >"$out/bench_$name.log" 2>&1 || { status=1; echo "cuda_bench_$name failed:"; tail -5 "$out/bench_$name.log"; }
 done

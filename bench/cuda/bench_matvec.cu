@@ -7,6 +7,7 @@
 //           without per-launch latency.
 #include <cstdio>
 #include <cstdlib>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -27,8 +28,10 @@ struct Shape {
 void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStream_t stream, bool compare_launch = false) {
   const auto& t = ggml_traits(type);
   const std::string name = std::string(t.name) + " " + s.name + " rows=" + std::to_string(rows);
-  // DSV4_BENCH_ONLY=<substring>: run only the cases whose name contains it (for profiling).
-  if (const char* only = std::getenv("DSV4_BENCH_ONLY"); only != nullptr && name.find(only) == std::string::npos) return;
+  // DSV4_BENCH_ONLY=<regular expression>: run only the cases whose name it matches (a plain
+  // substring works), e.g. "^(Q8_0|Q2_K) .*rows=1$".
+  if (const char* only = std::getenv("DSV4_BENCH_ONLY"); only != nullptr && !std::regex_search(name, std::regex(only)))
+    return;
   const size_t matrix_bytes = *ggml_row_bytes(type, s.k) * s.n * s.groups;
   constexpr size_t kRotateBytes = size_t{1} << 30;  // many times the 50 MB L2
   const int64_t copies = std::max<int64_t>(2, std::min<int64_t>(4096, kRotateBytes / matrix_bytes));

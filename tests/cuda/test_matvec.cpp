@@ -79,8 +79,11 @@ TEST_P(MatvecTest, OddShapesRowsAndUnalignedBatches) {
   SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
   const int64_t block = ggml_traits(type).block_elems;
   const int64_t k_odd = block == 256 ? 768 : 224;
+  // One activation row (matvec_row_kernel.cuh where the alignment allows): blocks at both
+  // 2-byte parities (stride_pad 2), a partial last step per lane (k = 3072: 96 Q8_0 units).
   for (const Case& c : {Case{37, k_odd, 1, 1, 0}, Case{37, k_odd, 3, 3, 6}, Case{5, k_odd, 2, 16, 2},
-                        Case{130, 2 * k_odd, 1, 7, 0}, Case{33, k_odd, 1, 9, 0}})
+                        Case{130, 2 * k_odd, 1, 7, 0}, Case{33, k_odd, 1, 9, 0}, Case{37, k_odd, 3, 1, 2},
+                        Case{21, 3072, 2, 1, 4}})
     run_case(type, c, rng);
 }
 
@@ -90,6 +93,7 @@ TEST_P(MatvecTest, V4FlashShape4096To1024) {
   SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
   run_case(type, Case{1024, 4096, 1, 1, 0}, rng);
   run_case(type, Case{64, 8192, 1, 2, 0}, rng);
+  run_case(type, Case{64, 8192, 1, 1, 0}, rng);
 }
 
 TEST(Matvec, RejectsBadArguments) {

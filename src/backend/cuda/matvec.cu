@@ -6,6 +6,7 @@
 
 #include "backend/cuda/activation_quant.h"
 #include "backend/cuda/matvec_launch.cuh"
+#include "backend/cuda/matvec_row_kernel.cuh"
 
 namespace dsv4::cuda {
 
@@ -22,6 +23,31 @@ Status launch_rows(const MatvecArgs& a, int rows, cudaStream_t stream) {
   if (rows <= 4) return detail::launch_matvec<Policy, 4, MatvecMode::kPlain>(a, 1, tasks, stream);
   if (rows <= 8) return detail::launch_matvec<Policy, 8, MatvecMode::kPlain>(a, 1, tasks, stream);
   return detail::launch_matvec<Policy, 16, MatvecMode::kPlain>(a, 1, tasks, stream);
+}
+
+// One activation row of Q8_0, Q2_K or Q3_K: the leaner kernel of matvec_row_kernel.cuh, when
+// the rows' alignment suits it and each lane's activation slice fits in registers (S units per
+// lane; k up to 8192). Returns false when the general kernel has to run instead.
+template <GgmlType T>
+Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launched) {
+  using Policy = detail::QuantPolicy<T>;
+  constexpr int kAlign = detail::RowUnit<T>::kAlign;
+  constexpr auto kPlain = MatvecMode::kPlain;
+  launched = false;
+  if (a.matrix_stride % kAlign != 0 || a.row_bytes % kAlign != 0) return Status::ok();
+  const int64_t units = (a.act.k + Policy::kUnitWeights - 1) / Policy::kUnitWeights;
+  const int lanes = detail::lanes_per_row(a.act.k, Policy::kUnitWeights);
+  const int64_t steps = (units + lanes - 1) / lanes;
+  const int64_t tasks = a.n_tasks;
+  launched = true;
+  if (steps <= 1) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 1>>(a, 1, tasks, stream);
+  if (steps <= 2) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 2>>(a, 1, tasks, stream);
+  if constexpr (T == GgmlType::Q8_0) {
+    if (steps <= 4) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 4>>(a, 1, tasks, stream);
+    if (steps <= 8) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 8>>(a, 1, tasks, stream);
+  }
+  launched = false;
+  return Status::ok();
 }
 
 }  // namespace
@@ -129,6 +155,13 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act.padded_k = q.padded_k;
   a.act.unit_weights = q.layout.unit_weights;
   a.act.lanes = q.layout.lanes;
+  if (rows == 1) {
+    bool launched = false;
+    if (w.type == GgmlType::Q8_0) DSV4_TRY(launch_row_kernel<GgmlType::Q8_0>(a, stream, launched));
+    if (w.type == GgmlType::Q2_K) DSV4_TRY(launch_row_kernel<GgmlType::Q2_K>(a, stream, launched));
+    if (w.type == GgmlType::Q3_K) DSV4_TRY(launch_row_kernel<GgmlType::Q3_K>(a, stream, launched));
+    if (launched) return Status::ok();
+  }
   switch (w.type) {
     case GgmlType::Q8_0: return launch_rows<detail::QuantPolicy<GgmlType::Q8_0>>(a, rows, stream);
     case GgmlType::Q2_K: return launch_rows<detail::QuantPolicy<GgmlType::Q2_K>>(a, rows, stream);

@@ -53,8 +53,10 @@ inline constexpr int kMaxSharedBytes = 227 * 1024;
 
 // `sources`: matrices read per group (1, 2 for gate+up, top_k for the summed down product);
 // `max_tasks`: an upper bound on the tasks (the exact count may live on the device).
-template <class Policy, int NR, MatvecMode M>
-Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
+// `Kernel`: the general kernel, or one with the same arguments and stages (matvec_row_kernel.cuh).
+using MatvecKernelFn = void (*)(MatvecArgs);
+template <class Policy, int NR, MatvecMode M, MatvecKernelFn Kernel>
+Status launch_matvec_kernel(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
   if (a.n <= 0 || max_tasks <= 0) return Status::ok();
   a.units_per_row = static_cast<int>((a.act.k + Policy::kUnitWeights - 1) / Policy::kUnitWeights);
   a.lanes_per_row = lanes_per_row(a.act.k, Policy::kUnitWeights);
@@ -79,7 +81,7 @@ Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t 
                          std::to_string(kMaxSharedBytes));
   if constexpr (Policy::kIq2) DSV4_TRY(iq2_tables(&a.iq2_grid, &a.iq2_signs));
 
-  auto kernel = matvec_kernel<Policy, NR, M>;
+  auto kernel = Kernel;
   static int64_t attribute_bytes = -1;  // per instantiation
   static int64_t occupancy_bytes = -1;
   static int blocks_per_sm = 0;
@@ -112,6 +114,11 @@ Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t 
   }
   DSV4_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, a));
   return Status::ok();
+}
+
+template <class Policy, int NR, MatvecMode M>
+Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
+  return launch_matvec_kernel<Policy, NR, M, &matvec_kernel<Policy, NR, M>>(a, sources, max_tasks, stream);
 }
 
 }  // namespace dsv4::cuda::detail

@@ -1,0 +1,243 @@
+// Matrix-vector kernel for one activation row (decode's case) of Q8_0, Q2_K and Q3_K weights.
+// Same streaming as matvec_kernel.cuh (16-byte cp.async copies of each warp's next rows into
+// a ring of shared-memory stages; same groups, same activation layout), but the arithmetic is
+// cut to what the bytes need:
+//  * each lane keeps its slice of the quantised activations in registers for every row it
+//    handles (a lane always takes the same units of a row), reloading only when the matrix
+//    changes, instead of reading them from L1 again for every row;
+//  * block fields are read as aligned 32-bit shared-memory words (Q2_K blocks are 84 bytes,
+//    4-byte aligned; Q8_0's 34 and Q3_K's 110 are 2-byte aligned, so one byte permute per word
+//    with a selector fixed by the block's parity) rather than assembled from unaligned bytes;
+//  * integer products are scaled by the integer sub-block scales before one conversion to
+//    float per 32 weights, and the block's d / dmin multiply once per 128 weights.
+// The host uses it only when the weights' alignment allows (matvec.cu); everything else runs
+// the general kernel.
+#pragma once
+
+#include "backend/cuda/matvec_kernel.cuh"
+
+namespace dsv4::cuda::detail {
+
+// One lane's activations for one wide unit (W = 32 * kSub values): the int8 values as 16-byte
+// chunks, the scale per 32 values, and the sums per 16 (K-quants only).
+template <int kSub, bool kSums>
+struct UnitActivations {
+  int4 q[2 * kSub];
+  float d[kSub];
+  float2 s16[kSums ? kSub : 1];
+};
+
+template <GgmlType T>
+struct RowUnit;
+
+// Four bytes starting `sel`'s way from two consecutive aligned words: 0x3210 takes the first
+// word, 0x5432 starts two bytes into it.
+__device__ __forceinline__ uint32_t word_at(uint32_t lo, uint32_t hi, uint32_t sel) { return __byte_perm(lo, hi, sel); }
+
+__device__ __forceinline__ int dot8(const uint32_t* q, int4 x0, int4 x1, int& hi) {
+  int lo = __dp4a(static_cast<int>(q[0]), x0.x, 0);
+  lo = __dp4a(static_cast<int>(q[1]), x0.y, lo);
+  lo = __dp4a(static_cast<int>(q[2]), x0.z, lo);
+  lo = __dp4a(static_cast<int>(q[3]), x0.w, lo);
+  hi = __dp4a(static_cast<int>(q[4]), x1.x, 0);
+  hi = __dp4a(static_cast<int>(q[5]), x1.y, hi);
+  hi = __dp4a(static_cast<int>(q[6]), x1.z, hi);
+  hi = __dp4a(static_cast<int>(q[7]), x1.w, hi);
+  return lo;
+}
+
+__device__ __forceinline__ float half_bits_to_float(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xFFFFu)));
+}
+
+template <>
+struct RowUnit<GgmlType::Q8_0> {
+  static constexpr int kSub = 1;
+  static constexpr bool kSums = false;
+  static constexpr int kAlign = 2;  // byte alignment the row must have
+  using Act = UnitActivations<kSub, kSums>;
+  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(row) + 34u * static_cast<uint32_t>(unit);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(at & ~uintptr_t{3});
+    const bool odd = (at & 2) != 0;  // block starts two bytes into a word
+    uint32_t v[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) v[i] = w[i];
+    // qs start at byte 2 of the block: byte 2 of v[0] (even) or v[1] itself (odd).
+    const uint32_t sel = odd ? 0x7654u : 0x5432u;
+    uint32_t q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = word_at(v[i], v[i + 1], sel);
+    const float d = half_bits_to_float(odd ? v[0] >> 16 : v[0]);
+    int hi;
+    const int lo = dot8(q, x.q[0], x.q[1], hi);
+    return d * x.d[0] * static_cast<float>(lo + hi);
+  }
+};
+
+template <>
+struct RowUnit<GgmlType::Q2_K> {
+  static constexpr int kSub = 4;
+  static constexpr bool kSums = true;
+  static constexpr int kAlign = 4;
+  using Act = UnitActivations<kSub, kSums>;
+  // Unit = half a block: one 32-byte plane of qs (4 shifts x 32 weights), its 8 scale bytes.
+  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+    const uint32_t* blk = reinterpret_cast<const uint32_t*>(row + 84 * (unit >> 1));
+    const int n = unit & 1;
+    uint32_t q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = blk[4 + 8 * n + i];
+    const uint32_t sc[2] = {blk[2 * n], blk[2 * n + 1]};  // (scale | min << 4) per 16 weights
+    const uint32_t dd = blk[20];                          // d, dmin
+    float acc_q = 0.0f, acc_m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t p[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) p[i] = (q[i] >> (2 * j)) & 0x03030303u;
+      int hi;
+      const int lo = dot8(p, x.q[2 * j], x.q[2 * j + 1], hi);
+      const uint32_t s = sc[j >> 1] >> (16 * (j & 1));
+      const int scale_lo = static_cast<int>(s & 0xFu), scale_hi = static_cast<int>((s >> 8) & 0xFu);
+      acc_q = fmaf(x.d[j], static_cast<float>(lo * scale_lo + hi * scale_hi), acc_q);
+      acc_m = fmaf(static_cast<float>((s >> 4) & 0xFu), x.s16[j].x, acc_m);
+      acc_m = fmaf(static_cast<float>((s >> 12) & 0xFu), x.s16[j].y, acc_m);
+    }
+    return half_bits_to_float(dd) * acc_q - half_bits_to_float(dd >> 16) * acc_m;
+  }
+};
+
+template <>
+struct RowUnit<GgmlType::Q3_K> {
+  static constexpr int kSub = 4;
+  static constexpr bool kSums = true;
+  static constexpr int kAlign = 2;
+  using Act = UnitActivations<kSub, kSums>;
+  // Unit = half a block: one 32-byte plane of qs, bits 4n..4n+3 of hmask, 8 of the 16 scales.
+  // Weight = d * (scale - 32) * (q - 4) with q = low 2 bits | high bit << 2 in 0..7.
+  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(row) + 110u * static_cast<uint32_t>(unit >> 1);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(at & ~uintptr_t{3});
+    const uint32_t sel = (at & 2) != 0 ? 0x5432u : 0x3210u;
+    const int n = unit & 1;
+    uint32_t hm[8], q[8];
+    {
+      uint32_t v[9], u[9];
+#pragma unroll
+      for (int i = 0; i < 9; ++i) {
+        v[i] = w[i];
+        u[i] = w[8 + 8 * n + i];
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        hm[i] = word_at(v[i], v[i + 1], sel) >> (4 * n);
+        q[i] = word_at(u[i], u[i + 1], sel);
+      }
+    }
+    uint32_t s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = w[24 + i];
+    const uint32_t a0 = word_at(s[0], s[1], sel), a1 = word_at(s[1], s[2], sel), a2 = word_at(s[2], s[3], sel);
+    const float d = half_bits_to_float(word_at(s[3], 0u, sel));
+    // 6-bit scales of this unit's 16-weight groups 8n..8n+7 (quant::q3_k_scale), still + 32.
+    const uint32_t sc[2] = {((a0 >> (4 * n)) & 0x0F0F0F0Fu) | (((a2 >> (4 * n)) & 0x03030303u) << 4),
+                            ((a1 >> (4 * n)) & 0x0F0F0F0Fu) | (((a2 >> (4 * n + 2)) & 0x03030303u) << 4)};
+    float acc_q = 0.0f, acc_m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t p[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        p[i] = ((q[i] >> (2 * j)) & 0x03030303u) | (((hm[i] >> j) << 2) & 0x04040404u);
+      int hi;
+      const int lo = dot8(p, x.q[2 * j], x.q[2 * j + 1], hi);
+      const uint32_t s2 = sc[j >> 1] >> (16 * (j & 1));
+      const int scale_lo = static_cast<int>(s2 & 0xFFu) - 32, scale_hi = static_cast<int>((s2 >> 8) & 0xFFu) - 32;
+      acc_q = fmaf(x.d[j], static_cast<float>(lo * scale_lo + hi * scale_hi), acc_q);
+      acc_m = fmaf(static_cast<float>(scale_lo), x.s16[j].x, acc_m);
+      acc_m = fmaf(static_cast<float>(scale_hi), x.s16[j].y, acc_m);
+    }
+    return d * (acc_q - 4.0f * acc_m);
+  }
+};
+
+// Lane `slot`'s activations of quantised row `row` for its S units t * L + slot.
+template <GgmlType T, int S>
+__device__ __forceinline__ void load_row_activations(const ActView& act, int64_t row, int slot, int units,
+                                                     typename RowUnit<T>::Act (&x)[S]) {
+  using U = RowUnit<T>;
+  const int L = act.lanes;
+  const int4* q = reinterpret_cast<const int4*>(act.q + row * act.padded_k);
+  const int64_t parts = row * (act.padded_k / 32);
+#pragma unroll
+  for (int t = 0; t < S; ++t) {
+    if (t * L + slot >= units) continue;  // past the row (and possibly past the buffer)
+#pragma unroll
+    for (int c = 0; c < 2 * U::kSub; ++c) x[t].q[c] = __ldg(q + (t * 2 * U::kSub + c) * L + slot);
+#pragma unroll
+    for (int j = 0; j < U::kSub; ++j) {
+      const int64_t at = parts + (t * U::kSub + j) * L + slot;
+      x[t].d[j] = __ldg(act.d + at);
+      if constexpr (U::kSums) x[t].s16[j] = __ldg(reinterpret_cast<const float2*>(act.s16) + at);
+    }
+  }
+}
+
+// kPlain with one activation row per matrix; S >= the units per lane (units_per_row / L, rounded up).
+template <GgmlType T, int S>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const MatvecArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  using U = RowUnit<T>;
+  allow_next_kernel();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint8_t* ring = smem + static_cast<int64_t>(warp) * kStages * a.stage_bytes;
+  const int64_t total = a.n_tasks * a.row_blocks;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    issue_group<MatvecMode::kPlain>(a, first + s * stride, total, ring + s * a.stage_bytes, lane);
+  wait_for_previous_kernel();
+
+  const int L = a.lanes_per_row;
+  const int slot = lane & (L - 1);
+  typename U::Act x[S];
+  int64_t loaded_task = -1;
+  for (int64_t it = 0;; ++it) {
+    const int64_t g = first + it * stride;
+    if (g >= total) break;
+    issue_group<MatvecMode::kPlain>(a, g + (kStages - 1) * stride, total,
+                                    ring + ((it + kStages - 1) % kStages) * a.stage_bytes, lane);
+    int64_t task, r0;
+    split_group(a, g, task, r0);
+    if (task != loaded_task) {
+      load_row_activations<T, S>(a.act, task, slot, a.units_per_row, x);
+      loaded_task = task;
+    }
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const uint8_t* stage = ring + (it % kStages) * a.stage_bytes;
+    const uint8_t* src = source_rows<MatvecMode::kPlain>(a, task, 0, r0);
+    const uint8_t* rows_at = stage + (reinterpret_cast<uintptr_t>(src) & 15);
+    const int rows = static_cast<int>(min(static_cast<int64_t>(a.rows_per_group), a.n - r0));
+    for (int rr0 = 0; rr0 < rows; rr0 += 32 / L) {
+      const int rr = rr0 + lane / L;
+      float acc = 0.0f;
+      if (rr < rows) {
+        const uint8_t* row = rows_at + static_cast<int64_t>(rr) * a.row_bytes;
+#pragma unroll
+        for (int t = 0; t < S; ++t) {
+          const int unit = t * L + slot;
+          if (unit < a.units_per_row) acc += U::dot(row, unit, x[t]);
+        }
+      }
+      acc = group_sum(acc, L);
+      if (rr < rows && slot == 0) a.out[task * a.n + r0 + rr] = acc;
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace dsv4::cuda::detail
