@@ -313,6 +313,7 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
       });
       DSV4_TRY(writer.write_tensor_data(chunk));
       producer.release(ckpt, row0, row0 + n);
+      if (options.cancel && options.cancel->load()) return Status::error(std::string(kInterrupted));
       progress.bytes_done += chunk.size();
       if (options.on_progress) options.on_progress(progress);
     }

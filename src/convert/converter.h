@@ -10,6 +10,7 @@
 // output is written to a temporary file and renamed into place only when complete.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -64,7 +65,13 @@ struct ConvertOptions {
   uint64_t chunk_bytes = 64ull << 20;  // f32 working set per chunk of rows
   // Called after each chunk (from the converting thread).
   std::function<void(const ConvertProgress&)> on_progress;
+  // Checked between chunks: when set, the conversion stops with kInterrupted and removes
+  // its temporary output (`dsv4 convert` sets it on SIGINT / SIGTERM).
+  const std::atomic<bool>* cancel = nullptr;
 };
+
+// The message of the Status a cancelled conversion returns.
+inline constexpr std::string_view kInterrupted = "interrupted";
 
 struct ConvertSummary {
   ConversionPlan plan;

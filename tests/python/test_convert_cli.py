@@ -82,6 +82,24 @@ class ConvertCliTest(unittest.TestCase):
             r = subprocess.run([CLI, "info", out + ".tmp"], capture_output=True, text=True)
             self.assertNotEqual(r.returncode, 0, "a partial output reads as a valid GGUF")
 
+    def test_interrupted_conversion_cleans_up(self):
+        big = os.path.join(self.tmp.name, "big2")
+        r = subprocess.run([CLI, "synth-checkpoint", "--preset", "tiny", "--seed", "5", "-o", big],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        out = os.path.join(self.tmp.name, "interrupted.gguf")
+        p = subprocess.Popen([CLI, "convert", big, "-o", out, "--recipe", "q2k", "--threads", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30
+        while not os.path.exists(out + ".tmp") and time.time() < deadline and p.poll() is None:
+            time.sleep(0.01)
+        self.assertIsNone(p.poll(), "the conversion finished before it could be interrupted")
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        self.assertEqual(p.returncode, 130, err)
+        self.assertIn("interrupted", err)
+        self.assertEqual([f for f in os.listdir(self.tmp.name) if f.startswith("interrupted.gguf")], [])
+
     def test_dry_run_needs_only_config(self):
         flash = os.path.join(SOURCE, "tests", "data", "deepseek-v4-flash")
         r = subprocess.run([CLI, "convert", flash, "--dry-run", "--recipe", "q2k"], capture_output=True, text=True)

@@ -1,6 +1,9 @@
 // dsv4 convert: DeepSeek's official checkpoint (safetensors, FP8/FP4) -> deepseek4 GGUF.
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
+
+#include <atomic>
 
 #include <chrono>
 #include <cstdio>
@@ -85,6 +88,11 @@ class ProgressBar {
   std::chrono::steady_clock::time_point start_, last_{};
 };
 
+// Set by SIGINT / SIGTERM: the converter stops between chunks and removes its temporary
+// output, so an interrupted conversion leaves nothing behind.
+std::atomic<bool> g_cancel{false};
+extern "C" void on_stop_signal(int) { g_cancel.store(true); }
+
 int run_convert(const ConvertCliOptions& o) {
   auto usage = [](const Status& s) {
     fmt::print(stderr, "dsv4 convert: {}\n", s.message());
@@ -128,7 +136,17 @@ int run_convert(const ConvertCliOptions& o) {
   opts.force = o.force;
   ProgressBar bar;
   opts.on_progress = [&](const convert::ConvertProgress& p) { bar.update(p); };
+  opts.cancel = &g_cancel;
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
   auto summary = convert::convert_checkpoint(opts);
+  if (!summary && summary.status().message() == convert::kInterrupted) {
+    fmt::print(stderr, "\ndsv4 convert: interrupted; no output written\n");
+    return kExitInterrupted;
+  }
   if (!summary) {
     fmt::print(stderr, "\ndsv4 convert: {}\n", summary.status().message());
     return kExitFailure;
