@@ -19,13 +19,27 @@
 namespace dsv4::cuda::detail {
 
 // One lane's activations for one wide unit (W = 32 * kSub values): the int8 values as 16-byte
-// chunks, the scale per 32 values, and the sums per 16 (K-quants only).
+// chunks, a factor per 32 values (the scale, possibly pre-multiplied, RowUnit::prepare), and
+// per 16 values an integer derived from their sum (K-quants only, RowUnit::prepare).
 template <int kSub, bool kSums>
 struct UnitActivations {
   int4 q[2 * kSub];
   float d[kSub];
-  float2 s16[kSums ? kSub : 1];
+  int2 sums[kSums ? kSub : 1];
 };
+
+// Sum of the 16 int8 values of a chunk.
+__device__ __forceinline__ int chunk_sum(int4 x) {
+  const int ones = 0x01010101;
+  return __dp4a(x.w, ones, __dp4a(x.z, ones, __dp4a(x.y, ones, __dp4a(x.x, ones, 0))));
+}
+
+// Unsigned bytes of `w` times signed bytes of `x`, plus c (dp4a.u32.s32).
+__device__ __forceinline__ int dp4a_us(uint32_t w, int x, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(w), "r"(x), "r"(c));
+  return d;
+}
 
 template <GgmlType T>
 struct RowUnit;
@@ -34,15 +48,30 @@ struct RowUnit;
 // word, 0x5432 starts two bytes into it.
 __device__ __forceinline__ uint32_t word_at(uint32_t lo, uint32_t hi, uint32_t sel) { return __byte_perm(lo, hi, sel); }
 
-__device__ __forceinline__ int dot8(const uint32_t* q, int4 x0, int4 x1, int& hi) {
-  int lo = __dp4a(static_cast<int>(q[0]), x0.x, 0);
+// Products of 8 words of weights with 32 activations: the first 16 into lo, the rest into hi,
+// starting from c0 / c1.
+__device__ __forceinline__ int dot8(const uint32_t* q, int4 x0, int4 x1, int c0, int c1, int& hi) {
+  int lo = __dp4a(static_cast<int>(q[0]), x0.x, c0);
   lo = __dp4a(static_cast<int>(q[1]), x0.y, lo);
   lo = __dp4a(static_cast<int>(q[2]), x0.z, lo);
   lo = __dp4a(static_cast<int>(q[3]), x0.w, lo);
-  hi = __dp4a(static_cast<int>(q[4]), x1.x, 0);
+  hi = __dp4a(static_cast<int>(q[4]), x1.x, c1);
   hi = __dp4a(static_cast<int>(q[5]), x1.y, hi);
   hi = __dp4a(static_cast<int>(q[6]), x1.z, hi);
   hi = __dp4a(static_cast<int>(q[7]), x1.w, hi);
+  return lo;
+}
+
+// The same with unsigned weight bytes (0..255).
+__device__ __forceinline__ int dot8_unsigned(const uint32_t* q, int4 x0, int4 x1, int& hi) {
+  int lo = dp4a_us(q[0], x0.x, 0);
+  lo = dp4a_us(q[1], x0.y, lo);
+  lo = dp4a_us(q[2], x0.z, lo);
+  lo = dp4a_us(q[3], x0.w, lo);
+  hi = dp4a_us(q[4], x1.x, 0);
+  hi = dp4a_us(q[5], x1.y, hi);
+  hi = dp4a_us(q[6], x1.z, hi);
+  hi = dp4a_us(q[7], x1.w, hi);
   return lo;
 }
 
@@ -56,21 +85,22 @@ struct RowUnit<GgmlType::Q8_0> {
   static constexpr bool kSums = false;
   static constexpr int kAlign = 2;  // byte alignment the row must have
   using Act = UnitActivations<kSub, kSums>;
+  __device__ static void prepare(Act&) {}
   __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
-    const uintptr_t at = reinterpret_cast<uintptr_t>(row) + 34u * static_cast<uint32_t>(unit);
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(at & ~uintptr_t{3});
-    const bool odd = (at & 2) != 0;  // block starts two bytes into a word
+    const uint8_t* blk = row + 34 * unit;
+    const int skew = static_cast<int>(reinterpret_cast<uintptr_t>(blk) & 3);  // 0 or 2
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(blk - skew);       // stays a shared address
     uint32_t v[9];
 #pragma unroll
     for (int i = 0; i < 9; ++i) v[i] = w[i];
-    // qs start at byte 2 of the block: byte 2 of v[0] (even) or v[1] itself (odd).
-    const uint32_t sel = odd ? 0x7654u : 0x5432u;
+    // qs start at byte 2 of the block: byte 2 of v[0] (skew 0) or v[1] itself (skew 2).
+    const uint32_t sel = skew != 0 ? 0x7654u : 0x5432u;
     uint32_t q[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) q[i] = word_at(v[i], v[i + 1], sel);
-    const float d = half_bits_to_float(odd ? v[0] >> 16 : v[0]);
+    const float d = half_bits_to_float(skew != 0 ? v[0] >> 16 : v[0]);
     int hi;
-    const int lo = dot8(q, x.q[0], x.q[1], hi);
+    const int lo = dot8(q, x.q[0], x.q[1], 0, 0, hi);
     return d * x.d[0] * static_cast<float>(lo + hi);
   }
 };
@@ -81,6 +111,17 @@ struct RowUnit<GgmlType::Q2_K> {
   static constexpr bool kSums = true;
   static constexpr int kAlign = 4;
   using Act = UnitActivations<kSub, kSums>;
+  // Sub-unit j's 2-bit values are masked in place (q & 3 << 2j: the value times 4^j, at most
+  // 192, multiplied as unsigned bytes); the activation side carries the 4^-j: d[j] * 4^-j, and
+  // the integer sums per 16 times 4^j, so every integer of sub-unit j is 4^j times the true one
+  // (below 2^24: exact in f32).
+  __device__ static void prepare(Act& x) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      x.d[j] *= 1.0f / static_cast<float>(1 << (2 * j));
+      x.sums[j] = make_int2(chunk_sum(x.q[2 * j]) << (2 * j), chunk_sum(x.q[2 * j + 1]) << (2 * j));
+    }
+  }
   // Unit = half a block: one 32-byte plane of qs (4 shifts x 32 weights), its 8 scale bytes.
   __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
     const uint32_t* blk = reinterpret_cast<const uint32_t*>(row + 84 * (unit >> 1));
@@ -95,14 +136,14 @@ struct RowUnit<GgmlType::Q2_K> {
     for (int j = 0; j < 4; ++j) {
       uint32_t p[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) p[i] = (q[i] >> (2 * j)) & 0x03030303u;
+      for (int i = 0; i < 8; ++i) p[i] = q[i] & (0x03030303u << (2 * j));
       int hi;
-      const int lo = dot8(p, x.q[2 * j], x.q[2 * j + 1], hi);
+      const int lo = dot8_unsigned(p, x.q[2 * j], x.q[2 * j + 1], hi);
       const uint32_t s = sc[j >> 1] >> (16 * (j & 1));
       const int scale_lo = static_cast<int>(s & 0xFu), scale_hi = static_cast<int>((s >> 8) & 0xFu);
+      const int min_lo = static_cast<int>((s >> 4) & 0xFu), min_hi = static_cast<int>((s >> 12) & 0xFu);
       acc_q = fmaf(x.d[j], static_cast<float>(lo * scale_lo + hi * scale_hi), acc_q);
-      acc_m = fmaf(static_cast<float>((s >> 4) & 0xFu), x.s16[j].x, acc_m);
-      acc_m = fmaf(static_cast<float>((s >> 12) & 0xFu), x.s16[j].y, acc_m);
+      acc_m = fmaf(x.d[j], static_cast<float>(min_lo * x.sums[j].x + min_hi * x.sums[j].y), acc_m);
     }
     return half_bits_to_float(dd) * acc_q - half_bits_to_float(dd >> 16) * acc_m;
   }
@@ -114,12 +155,19 @@ struct RowUnit<GgmlType::Q3_K> {
   static constexpr bool kSums = true;
   static constexpr int kAlign = 2;
   using Act = UnitActivations<kSub, kSums>;
+  // sums: -4 x the sum per 16 values, the starting value of each dp4a chain, which turns the
+  // stored q (0..7) into ggml's q - 4.
+  __device__ static void prepare(Act& x) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) x.sums[j] = make_int2(-4 * chunk_sum(x.q[2 * j]), -4 * chunk_sum(x.q[2 * j + 1]));
+  }
   // Unit = half a block: one 32-byte plane of qs, bits 4n..4n+3 of hmask, 8 of the 16 scales.
   // Weight = d * (scale - 32) * (q - 4) with q = low 2 bits | high bit << 2 in 0..7.
   __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
-    const uintptr_t at = reinterpret_cast<uintptr_t>(row) + 110u * static_cast<uint32_t>(unit >> 1);
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(at & ~uintptr_t{3});
-    const uint32_t sel = (at & 2) != 0 ? 0x5432u : 0x3210u;
+    const uint8_t* blk = row + 110 * (unit >> 1);
+    const int skew = static_cast<int>(reinterpret_cast<uintptr_t>(blk) & 3);  // 0 or 2
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(blk - skew);       // stays a shared address
+    const uint32_t sel = skew != 0 ? 0x5432u : 0x3210u;
     const int n = unit & 1;
     uint32_t hm[8], q[8];
     {
@@ -143,7 +191,7 @@ struct RowUnit<GgmlType::Q3_K> {
     // 6-bit scales of this unit's 16-weight groups 8n..8n+7 (quant::q3_k_scale), still + 32.
     const uint32_t sc[2] = {((a0 >> (4 * n)) & 0x0F0F0F0Fu) | (((a2 >> (4 * n)) & 0x03030303u) << 4),
                             ((a1 >> (4 * n)) & 0x0F0F0F0Fu) | (((a2 >> (4 * n + 2)) & 0x03030303u) << 4)};
-    float acc_q = 0.0f, acc_m = 0.0f;
+    float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t p[8];
@@ -151,14 +199,12 @@ struct RowUnit<GgmlType::Q3_K> {
       for (int i = 0; i < 8; ++i)
         p[i] = ((q[i] >> (2 * j)) & 0x03030303u) | (((hm[i] >> j) << 2) & 0x04040404u);
       int hi;
-      const int lo = dot8(p, x.q[2 * j], x.q[2 * j + 1], hi);
+      const int lo = dot8(p, x.q[2 * j], x.q[2 * j + 1], x.sums[j].x, x.sums[j].y, hi);
       const uint32_t s2 = sc[j >> 1] >> (16 * (j & 1));
       const int scale_lo = static_cast<int>(s2 & 0xFFu) - 32, scale_hi = static_cast<int>((s2 >> 8) & 0xFFu) - 32;
-      acc_q = fmaf(x.d[j], static_cast<float>(lo * scale_lo + hi * scale_hi), acc_q);
-      acc_m = fmaf(static_cast<float>(scale_lo), x.s16[j].x, acc_m);
-      acc_m = fmaf(static_cast<float>(scale_hi), x.s16[j].y, acc_m);
+      acc = fmaf(x.d[j], static_cast<float>(lo * scale_lo + hi * scale_hi), acc);
     }
-    return d * (acc_q - 4.0f * acc_m);
+    return d * acc;
   }
 };
 
@@ -176,11 +222,8 @@ __device__ __forceinline__ void load_row_activations(const ActView& act, int64_t
 #pragma unroll
     for (int c = 0; c < 2 * U::kSub; ++c) x[t].q[c] = __ldg(q + (t * 2 * U::kSub + c) * L + slot);
 #pragma unroll
-    for (int j = 0; j < U::kSub; ++j) {
-      const int64_t at = parts + (t * U::kSub + j) * L + slot;
-      x[t].d[j] = __ldg(act.d + at);
-      if constexpr (U::kSums) x[t].s16[j] = __ldg(reinterpret_cast<const float2*>(act.s16) + at);
-    }
+    for (int j = 0; j < U::kSub; ++j) x[t].d[j] = __ldg(act.d + parts + (t * U::kSub + j) * L + slot);
+    U::prepare(x[t]);
   }
 }
 
@@ -202,6 +245,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
 
   const int L = a.lanes_per_row;
   const int slot = lane & (L - 1);
+  const int log2_lanes = __ffs(L) - 1;
+  const int rows_per_pass = 32 >> log2_lanes, lane_row = lane >> log2_lanes;
   typename U::Act x[S];
   int64_t loaded_task = -1;
   for (int64_t it = 0;; ++it) {
@@ -221,19 +266,31 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
     const uint8_t* src = source_rows<MatvecMode::kPlain>(a, task, 0, r0);
     const uint8_t* rows_at = stage + (reinterpret_cast<uintptr_t>(src) & 15);
     const int rows = static_cast<int>(min(static_cast<int64_t>(a.rows_per_group), a.n - r0));
-    for (int rr0 = 0; rr0 < rows; rr0 += 32 / L) {
-      const int rr = rr0 + lane / L;
-      float acc = 0.0f;
-      if (rr < rows) {
-        const uint8_t* row = rows_at + static_cast<int64_t>(rr) * a.row_bytes;
+    // Two rows per pass of the lane groups: their products and their shuffle sums overlap.
+    for (int rr0 = 0; rr0 < rows; rr0 += 2 * rows_per_pass) {
+      int rr[2];
+      float acc[2];
 #pragma unroll
-        for (int t = 0; t < S; ++t) {
-          const int unit = t * L + slot;
-          if (unit < a.units_per_row) acc += U::dot(row, unit, x[t]);
+      for (int h = 0; h < 2; ++h) {
+        rr[h] = rr0 + h * rows_per_pass + lane_row;
+        acc[h] = 0.0f;
+        if (rr[h] < rows) {
+          const uint8_t* row = rows_at + static_cast<int64_t>(rr[h]) * a.row_bytes;
+#pragma unroll
+          for (int t = 0; t < S; ++t) {
+            const int unit = t * L + slot;
+            if (unit < a.units_per_row) acc[h] += U::dot(row, unit, x[t]);
+          }
         }
       }
-      acc = group_sum(acc, L);
-      if (rr < rows && slot == 0) a.out[task * a.n + r0 + rr] = acc;
+#pragma unroll 1
+      for (int o = L >> 1; o > 0; o >>= 1) {  // within the lane group
+        acc[0] += __shfl_xor_sync(0xFFFFFFFFu, acc[0], o);
+        acc[1] += __shfl_xor_sync(0xFFFFFFFFu, acc[1], o);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (rr[h] < rows && slot == 0) a.out[task * a.n + r0 + rr[h]] = acc[h];
     }
     __syncwarp();
   }
