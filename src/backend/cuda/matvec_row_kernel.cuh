@@ -8,8 +8,12 @@
 //  * block fields are read as aligned 32-bit shared-memory words (Q2_K blocks are 84 bytes,
 //    4-byte aligned; Q8_0's 34 and Q3_K's 110 are 2-byte aligned, so one byte permute per word
 //    with a selector fixed by the block's parity) rather than assembled from unaligned bytes;
-//  * integer products are scaled by the integer sub-block scales before one conversion to
-//    float per 32 weights, and the block's d / dmin multiply once per 128 weights.
+//  * integer products are scaled by the integer sub-block scales before the conversion to
+//    float (one per 32 weights; Q2_K's minimums one more), with the activation sums per 16 kept
+//    as integers (Q3_K's -4 offset becomes the dp4a chains' starting value), and the block's
+//    d / dmin multiply once per 128 weights;
+//  * Q2_K's 2-bit values are masked in place, not shifted (RowUnit<Q2_K>::prepare);
+//  * two rows per pass of a lane group, so their products and shuffle sums overlap.
 // The host uses it only when the weights' alignment allows (matvec.cu); everything else runs
 // the general kernel.
 #pragma once
