@@ -85,23 +85,22 @@ std::vector<Turn> merge_turns(std::span<const ChatMessage> messages) {
   std::vector<Turn> turns;
   for (const ChatMessage& m : messages) {
     if (m.role == "tool") {
-      Block b{true, content_or(m.content, "None"), m.tool_call_id};
+      Block b{true, content_or(m.content, "None"), m.tool_call_id, false};
       if (!turns.empty() && turns.back().role == "user") {
         turns.back().blocks.push_back(std::move(b));
       } else {
-        Turn t{&m, "user", {std::move(b)}};
-        t.task_override = std::optional<std::string>{};
-        turns.push_back(std::move(t));
+        // A turn opened by a tool result has no task, whatever the tool message says.
+        turns.push_back(Turn{&m, "user", {std::move(b)}, false, std::optional<std::string>{}});
       }
     } else if (m.role == "user") {
       Block b{false, content_or(m.content, ""), {}, !m.content};
       if (!turns.empty() && turns.back().role == "user" && !turns.back().task()) {
         turns.back().blocks.push_back(std::move(b));
       } else {
-        turns.push_back(Turn{&m, "user", {std::move(b)}});
+        turns.push_back(Turn{&m, "user", {std::move(b)}, false, std::nullopt});
       }
     } else {
-      turns.push_back(Turn{&m, m.role, {}});
+      turns.push_back(Turn{&m, m.role, {}, false, std::nullopt});
     }
   }
   return turns;

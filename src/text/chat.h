@@ -49,6 +49,13 @@ struct ChatMessage {
   OrderedJson response_format;                   // system/developer; null = none
   std::optional<std::string> task;  // action, query, authority, domain, read_url, title
   bool wo_eos = false;              // assistant: leave out the final EOS (prefill)
+
+  static ChatMessage of(std::string role, std::string content) {
+    ChatMessage m;
+    m.role = std::move(role);
+    m.content = std::move(content);
+    return m;
+  }
 };
 
 struct ChatOptions {

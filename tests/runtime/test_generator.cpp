@@ -79,7 +79,7 @@ TEST(Generator, ReusedCacheGivesTheSameTokensAsAFreshRun) {
 
 TEST(Generator, LimitsCancelAndErrors) {
   Fixture& f = fixture();
-  Generator gen(*f.model, *f.tokenizer, 64);
+  Generator gen(*f.model, *f.tokenizer, 40);
   const auto prompt = ids("<｜User｜>Hi<｜Assistant｜></think>");
   auto none = gen.generate(prompt, greedy(0), nullptr);
   ASSERT_TRUE(none.is_ok());
@@ -94,10 +94,10 @@ TEST(Generator, LimitsCancelAndErrors) {
   auto full = gen.generate(prompt, greedy(1000), nullptr);
   ASSERT_TRUE(full.is_ok());
   EXPECT_TRUE(full->finish == FinishReason::kContextFull || full->finish == FinishReason::kEos);
-  // The last token is sampled but never decoded: prompt + reply fill the 64 positions at most.
-  EXPECT_LT(static_cast<int64_t>(prompt.size()) + static_cast<int64_t>(full->tokens.size()), 65);
+  // The last token is sampled but never decoded: prompt + reply fill the 40 positions at most.
+  EXPECT_LT(static_cast<int64_t>(prompt.size()) + static_cast<int64_t>(full->tokens.size()), 41);
 
-  EXPECT_FALSE(gen.generate(std::vector<int32_t>(64, 5), greedy(1), nullptr).is_ok());
+  EXPECT_FALSE(gen.generate(std::vector<int32_t>(40, 5), greedy(1), nullptr).is_ok());
   EXPECT_FALSE(gen.generate({}, greedy(1), nullptr).is_ok());
   EXPECT_FALSE(gen.generate(std::vector<int32_t>{999999}, greedy(1), nullptr).is_ok());
   GenerateOptions bad = greedy(1);

@@ -10,6 +10,14 @@
 namespace dsv4::runtime {
 namespace {
 
+// One field changed from the defaults.
+template <typename T>
+SamplingParams with(T SamplingParams::*field, T value) {
+  SamplingParams p;
+  p.*field = value;
+  return p;
+}
+
 const std::vector<float> kLogits = {2.0f, 1.0f, 0.5f, 3.0f, -1.0f, 0.0f, 1.5f, -2.0f};
 
 std::vector<double> softmax(const std::vector<float>& l, double t) {
@@ -126,7 +134,7 @@ TEST(Sampler, PenaltiesAndLogitBias) {
   expected = restrict_to(expected, {0, 1, 2, 3, 4, 5, 6});  // token 7 banned
   expect_close(as_vector(s.distribution(kLogits), 8), expected);
   // Negative logits are multiplied by the repetition penalty.
-  Sampler neg(SamplingParams{.repetition_penalty = 2.0f});
+  Sampler neg(with(&SamplingParams::repetition_penalty, 2.0f));
   neg.accept(4);
   std::vector<float> w2 = kLogits;
   w2[4] = -2.0f;
@@ -135,14 +143,14 @@ TEST(Sampler, PenaltiesAndLogitBias) {
 
 TEST(Sampler, SameSeedSameTokensDifferentSeedDifferent) {
   auto run = [](uint64_t seed) {
-    Sampler s(SamplingParams{.seed = seed});
+    Sampler s(with(&SamplingParams::seed, seed));
     std::vector<int32_t> out;
     for (int i = 0; i < 64; ++i) out.push_back(s.sample(kLogits));
     return out;
   };
   EXPECT_EQ(run(42), run(42));
   EXPECT_NE(run(42), run(43));
-  Sampler s(SamplingParams{.seed = 5});
+  Sampler s(with(&SamplingParams::seed, uint64_t{5}));
   const int32_t first = s.sample(kLogits);
   s.reset();
   EXPECT_EQ(s.sample(kLogits), first);
@@ -151,13 +159,13 @@ TEST(Sampler, SameSeedSameTokensDifferentSeedDifferent) {
 TEST(Sampler, ValidateNamesTheField) {
   EXPECT_TRUE(SamplingParams{}.validate(8).is_ok());
   auto msg = [](SamplingParams p) { return p.validate(8).message(); };
-  EXPECT_NE(msg({.temperature = -1}).find("temperature = -1"), std::string::npos);
-  EXPECT_NE(msg({.top_p = 0}).find("top_p"), std::string::npos);
-  EXPECT_NE(msg({.top_p = 1.5f}).find("top_p"), std::string::npos);
-  EXPECT_NE(msg({.min_p = 2}).find("min_p"), std::string::npos);
-  EXPECT_NE(msg({.top_k = -3}).find("top_k"), std::string::npos);
-  EXPECT_NE(msg({.repetition_penalty = 0}).find("repetition_penalty"), std::string::npos);
-  EXPECT_NE(msg({.temperature = NAN}).find("temperature"), std::string::npos);
+  EXPECT_NE(msg(with(&SamplingParams::temperature, -1.0f)).find("temperature = -1"), std::string::npos);
+  EXPECT_NE(msg(with(&SamplingParams::top_p, 0.0f)).find("top_p"), std::string::npos);
+  EXPECT_NE(msg(with(&SamplingParams::top_p, 1.5f)).find("top_p"), std::string::npos);
+  EXPECT_NE(msg(with(&SamplingParams::min_p, 2.0f)).find("min_p"), std::string::npos);
+  EXPECT_NE(msg(with(&SamplingParams::top_k, -3)).find("top_k"), std::string::npos);
+  EXPECT_NE(msg(with(&SamplingParams::repetition_penalty, 0.0f)).find("repetition_penalty"), std::string::npos);
+  EXPECT_NE(msg(with(&SamplingParams::temperature, NAN)).find("temperature"), std::string::npos);
   SamplingParams b;
   b.logit_bias = {{8, 1.0f}};
   EXPECT_NE(msg(b).find("token id 8"), std::string::npos);

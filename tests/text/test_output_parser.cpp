@@ -95,8 +95,9 @@ TEST(OutputParser, RoundTripsWhatTheEncoderRenders) {
         default: args[key] = 0.25; break;
       }
     }
-    ChatMessage user{.role = "user", .content = "q"};
-    ChatMessage asst{.role = "assistant", .content = "text before", .reasoning_content = "why"};
+    const ChatMessage user = ChatMessage::of("user", "q");
+    ChatMessage asst = ChatMessage::of("assistant", "text before");
+    asst.reasoning_content = "why";
     asst.tool_calls.push_back({"id1", "fn", python_json_dumps(args)});
     asst.tool_calls.push_back({"id2", "other", "{}"});
     std::vector<ChatMessage> msgs = {user, asst};

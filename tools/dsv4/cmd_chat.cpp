@@ -58,7 +58,7 @@ int run_chat(ChatCliOptions& o) {
   std::vector<text::ChatMessage> history;
   auto start_conversation = [&] {
     history.clear();
-    if (!o.session.system.empty()) history.push_back({.role = "system", .content = o.session.system});
+    if (!o.session.system.empty()) history.push_back(text::ChatMessage::of("system", o.session.system));
     text::attach_request_tools(history, s.tools);
   };
   start_conversation();
@@ -99,7 +99,7 @@ int run_chat(ChatCliOptions& o) {
       continue;
     }
 
-    history.push_back({.role = "user", .content = line});
+    history.push_back(text::ChatMessage::of("user", line));
     auto prompt = text::render_chat(history, s.chat);
     if (!prompt.is_ok()) {
       history.pop_back();
@@ -123,7 +123,8 @@ int run_chat(ChatCliOptions& o) {
       continue;
     }
     const text::ParsedOutput& r = printer.result();
-    text::ChatMessage reply{.role = "assistant", .content = r.content, .reasoning_content = r.reasoning};
+    text::ChatMessage reply = text::ChatMessage::of("assistant", r.content);
+    reply.reasoning_content = r.reasoning;
     for (const auto& c : r.tool_calls) reply.tool_calls.push_back({"", c.name, c.arguments});
     history.push_back(std::move(reply));
     if (stats->finish == runtime::FinishReason::kCancelled) fmt::print("(stopped)\n");

@@ -36,8 +36,8 @@ int run_run(RunOptions& o) {
   std::string prompt_text = o.prompt;
   if (!o.raw) {
     std::vector<text::ChatMessage> messages;
-    if (!o.session.system.empty()) messages.push_back({.role = "system", .content = o.session.system});
-    messages.push_back({.role = "user", .content = o.prompt});
+    if (!o.session.system.empty()) messages.push_back(text::ChatMessage::of("system", o.session.system));
+    messages.push_back(text::ChatMessage::of("user", o.prompt));
     text::attach_request_tools(messages, s.tools);
     auto rendered = text::render_chat(messages, s.chat);
     if (!rendered.is_ok()) return fail(rendered.status(), kExitUsage);
