@@ -178,6 +178,16 @@ Result<ConversionPlan> plan_conversion(const CheckpointConfig& config, const Rec
   return plan;
 }
 
+ConvertSummary ConvertSummary::of_plan(ConversionPlan plan) {
+  ConvertSummary summary;
+  summary.plan = std::move(plan);
+  for (const PlannedTensor& t : summary.plan.tensors) {
+    ++summary.tensors_by_type[t.type];
+    if (t.type != t.requested) summary.fallbacks.push_back(&t);
+  }
+  return summary;
+}
+
 std::string ConvertSummary::to_string() const {
   std::string s;
   const uint64_t bytes = plan.total_bytes();
@@ -220,8 +230,8 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
     const auto dir = std::filesystem::weakly_canonical(options.checkpoint_dir);
     config.model.name = dir.filename().string();
   }
-  ConvertSummary summary;
-  DSV4_ASSIGN_OR_RETURN(summary.plan, plan_conversion(config, options.recipe));
+  DSV4_ASSIGN_OR_RETURN(ConversionPlan planned, plan_conversion(config, options.recipe));
+  ConvertSummary summary = ConvertSummary::of_plan(std::move(planned));
   const ConversionPlan& plan = summary.plan;
   DSV4_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(options.checkpoint_dir));
 
@@ -282,11 +292,7 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
     DSV4_TRY(text::write_tokenizer_metadata(json, tokenizer_path.string(), writer, topts));
     summary.tokenizer_written = true;
   }
-  for (const PlannedTensor& t : plan.tensors) {
-    DSV4_TRY(writer.add_tensor(t.spec.name, t.type, t.spec.ne));
-    ++summary.tensors_by_type[t.type];
-    if (t.type != t.requested) summary.fallbacks.push_back(&t);
-  }
+  for (const PlannedTensor& t : plan.tensors) DSV4_TRY(writer.add_tensor(t.spec.name, t.type, t.spec.ne));
   DSV4_TRY(writer.begin());
 
   ThreadPool pool(options.threads);

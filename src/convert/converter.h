@@ -79,9 +79,11 @@ struct ConvertSummary {
   bool tokenizer_written = false;
   double seconds = 0;
   std::map<GgmlType, uint64_t> tensors_by_type;
-  std::vector<const PlannedTensor*> fallbacks;  // into plan.tensors
+  std::vector<const PlannedTensor*> fallbacks;  // into plan.tensors (keep the summary whole)
   uint64_t peak_rss_bytes = 0;  // of this process so far (getrusage), after the conversion
 
+  // The summary of a plan before anything is written (types, fallbacks); `--dry-run`.
+  static ConvertSummary of_plan(ConversionPlan plan);
   std::string to_string() const;  // the report `dsv4 convert` prints
 };
 

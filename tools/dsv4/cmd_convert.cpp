@@ -116,13 +116,7 @@ int run_convert(const ConvertCliOptions& o) {
       fmt::print(stderr, "dsv4 convert: {}\n", plan.status().message());
       return kExitFailure;
     }
-    convert::ConvertSummary summary;
-    summary.plan = std::move(*plan);
-    for (const auto& t : summary.plan.tensors) {
-      ++summary.tensors_by_type[t.type];
-      if (t.type != t.requested) summary.fallbacks.push_back(&t);
-    }
-    fmt::print("dry run (nothing written): {}", summary.to_string());
+    fmt::print("dry run (nothing written): {}", convert::ConvertSummary::of_plan(std::move(*plan)).to_string());
     return kExitOk;
   }
   if (o.output.empty()) return usage(Status::error("-o/--output is required (or --dry-run)"));
