@@ -41,7 +41,12 @@ Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launche
   const int64_t tasks = a.n_tasks;
   launched = true;
   if (steps <= 1) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 1>>(a, 1, tasks, stream);
-  if (steps <= 2) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 2>>(a, 1, tasks, stream);
+  // Q2_K with two units per lane (k = 8192: one 2688-byte row per 4 KB group): two rows per
+  // group for the kernel's paired pass, at no cost in occupancy (registers allow 12 warps per
+  // multiprocessor either way). Q3_K's larger rows would lose a third of its warps.
+  const int64_t pair_rows = T == GgmlType::Q2_K ? 2 * (32 / lanes) : 1;
+  if (steps <= 2)
+    return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 2>>(a, 1, tasks, stream, pair_rows);
   if constexpr (T == GgmlType::Q8_0) {
     if (steps <= 4) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 4>>(a, 1, tasks, stream);
     if (steps <= 8) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 8>>(a, 1, tasks, stream);

@@ -54,9 +54,10 @@ inline constexpr int kMaxSharedBytes = 227 * 1024;
 // `sources`: matrices read per group (1, 2 for gate+up, top_k for the summed down product);
 // `max_tasks`: an upper bound on the tasks (the exact count may live on the device).
 // `Kernel`: the general kernel, or one with the same arguments and stages (matvec_row_kernel.cuh).
+// `min_rows`: rows per group the kernel wants at least (shared memory and n permitting).
 using MatvecKernelFn = void (*)(MatvecArgs);
 template <class Policy, int NR, MatvecMode M, MatvecKernelFn Kernel>
-Status launch_matvec_kernel(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
+Status launch_matvec_kernel(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream, int64_t min_rows = 1) {
   if (a.n <= 0 || max_tasks <= 0) return Status::ok();
   a.units_per_row = static_cast<int>((a.act.k + Policy::kUnitWeights - 1) / Policy::kUnitWeights);
   a.lanes_per_row = lanes_per_row(a.act.k, Policy::kUnitWeights);
@@ -67,7 +68,7 @@ Status launch_matvec_kernel(MatvecArgs a, int sources, int64_t max_tasks, cudaSt
   a.act.lanes = a.lanes_per_row;  // f32 activations are row-major: any lane split reads them
   a.act.subunits_per_row = static_cast<int>(a.act.k / 32);
   int64_t rows = std::max<int64_t>(1, kGroupTargetBytes / (sources * a.row_bytes));
-  rows = std::max<int64_t>(rows, 32 / a.lanes_per_row);  // a pass of the warp fills every lane
+  rows = std::max<int64_t>({rows, 32 / a.lanes_per_row, min_rows});  // a pass of the warp fills every lane
   const int64_t per_stage = (kMaxSharedBytes - kIq2TableBytes) / (kWarpsPerBlock * kStages);
   rows = std::min({rows, std::max<int64_t>(1, (per_stage / sources - 48) / a.row_bytes), a.n});
   a.rows_per_group = static_cast<int>(rows);

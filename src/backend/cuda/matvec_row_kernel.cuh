@@ -135,6 +135,9 @@ struct RowUnit<GgmlType::Q2_K> {
     for (int i = 0; i < 8; ++i) q[i] = blk[4 + 8 * n + i];
     const uint32_t sc[2] = {blk[2 * n], blk[2 * n + 1]};  // (scale | min << 4) per 16 weights
     const uint32_t dd = blk[20];                          // d, dmin
+    // The 4-bit fields as bytes, then one byte permute (selector 0x444b: byte b, zeros) per field.
+    const uint32_t scales[2] = {sc[0] & 0x0F0F0F0Fu, sc[1] & 0x0F0F0F0Fu};
+    const uint32_t mins[2] = {(sc[0] >> 4) & 0x0F0F0F0Fu, (sc[1] >> 4) & 0x0F0F0F0Fu};
     float acc_q = 0.0f, acc_m = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -143,9 +146,11 @@ struct RowUnit<GgmlType::Q2_K> {
       for (int i = 0; i < 8; ++i) p[i] = q[i] & (0x03030303u << (2 * j));
       int hi;
       const int lo = dot8_unsigned(p, x.q[2 * j], x.q[2 * j + 1], hi);
-      const uint32_t s = sc[j >> 1] >> (16 * (j & 1));
-      const int scale_lo = static_cast<int>(s & 0xFu), scale_hi = static_cast<int>((s >> 8) & 0xFu);
-      const int min_lo = static_cast<int>((s >> 4) & 0xFu), min_hi = static_cast<int>((s >> 12) & 0xFu);
+      const uint32_t b = 2u * (j & 1);
+      const int scale_lo = static_cast<int>(__byte_perm(scales[j >> 1], 0u, 0x4440u | b));
+      const int scale_hi = static_cast<int>(__byte_perm(scales[j >> 1], 0u, 0x4440u | (b + 1)));
+      const int min_lo = static_cast<int>(__byte_perm(mins[j >> 1], 0u, 0x4440u | b));
+      const int min_hi = static_cast<int>(__byte_perm(mins[j >> 1], 0u, 0x4440u | (b + 1)));
       acc_q = fmaf(x.d[j], static_cast<float>(lo * scale_lo + hi * scale_hi), acc_q);
       acc_m = fmaf(x.d[j], static_cast<float>(min_lo * x.sums[j].x + min_hi * x.sums[j].y), acc_m);
     }
@@ -159,11 +164,17 @@ struct RowUnit<GgmlType::Q3_K> {
   static constexpr bool kSums = true;
   static constexpr int kAlign = 2;
   using Act = UnitActivations<kSub, kSums>;
-  // sums: -4 x the sum per 16 values, the starting value of each dp4a chain, which turns the
-  // stored q (0..7) into ggml's q - 4.
+  // Sub-units 0..2 are assembled in place (their 3-bit values times 4^j, at most 112); sub-unit
+  // 3's would overflow a signed byte, so it is shifted down. f_j = 4^j for j < 3, 1 for j = 3:
+  // d[j] carries 1 / f_j, and sums -4 f_j x the sum per 16 values, the starting value of each
+  // dp4a chain, which turns the stored q (0..7) into ggml's q - 4.
   __device__ static void prepare(Act& x) {
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) x.sums[j] = make_int2(-4 * chunk_sum(x.q[2 * j]), -4 * chunk_sum(x.q[2 * j + 1]));
+    for (int j = 0; j < kSub; ++j) {
+      const int f = j < 3 ? 1 << (2 * j) : 1;
+      x.d[j] *= 1.0f / static_cast<float>(f);
+      x.sums[j] = make_int2(-4 * f * chunk_sum(x.q[2 * j]), -4 * f * chunk_sum(x.q[2 * j + 1]));
+    }
   }
   // Unit = half a block: one 32-byte plane of qs, bits 4n..4n+3 of hmask, 8 of the 16 scales.
   // Weight = d * (scale - 32) * (q - 4) with q = low 2 bits | high bit << 2 in 0..7.
@@ -201,7 +212,8 @@ struct RowUnit<GgmlType::Q3_K> {
       uint32_t p[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        p[i] = ((q[i] >> (2 * j)) & 0x03030303u) | (((hm[i] >> j) << 2) & 0x04040404u);
+        p[i] = j < 3 ? (q[i] & (0x03030303u << (2 * j))) | ((hm[i] << (j + 2)) & (0x04040404u << (2 * j)))
+                     : ((q[i] >> 6) & 0x03030303u) | ((hm[i] >> 1) & 0x04040404u);
       int hi;
       const int lo = dot8(p, x.q[2 * j], x.q[2 * j + 1], x.sums[j].x, x.sums[j].y, hi);
       const uint32_t s2 = sc[j >> 1] >> (16 * (j & 1));
@@ -270,31 +282,46 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
     const uint8_t* src = source_rows<MatvecMode::kPlain>(a, task, 0, r0);
     const uint8_t* rows_at = stage + (reinterpret_cast<uintptr_t>(src) & 15);
     const int rows = static_cast<int>(min(static_cast<int64_t>(a.rows_per_group), a.n - r0));
-    // Two rows per pass of the lane groups: their products and their shuffle sums overlap.
-    for (int rr0 = 0; rr0 < rows; rr0 += 2 * rows_per_pass) {
-      int rr[2];
-      float acc[2];
+    // Two rows per pass of the lane groups, without a branch between them, so their loads,
+    // products and shuffle sums interleave; the rows left over take single passes.
+    const int pair_rows = 2 * rows_per_pass;
+    int rr0 = 0;
+    for (; rr0 + pair_rows <= rows; rr0 += pair_rows) {
+      const uint8_t* row0 = rows_at + static_cast<int64_t>(rr0 + lane_row) * a.row_bytes;
+      const uint8_t* row1 = row0 + static_cast<int64_t>(rows_per_pass) * a.row_bytes;
+      float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        rr[h] = rr0 + h * rows_per_pass + lane_row;
-        acc[h] = 0.0f;
-        if (rr[h] < rows) {
-          const uint8_t* row = rows_at + static_cast<int64_t>(rr[h]) * a.row_bytes;
-#pragma unroll
-          for (int t = 0; t < S; ++t) {
-            const int unit = t * L + slot;
-            if (unit < a.units_per_row) acc[h] += U::dot(row, unit, x[t]);
-          }
+      for (int t = 0; t < S; ++t) {
+        const int unit = t * L + slot;
+        if (unit < a.units_per_row) {
+          acc0 += U::dot(row0, unit, x[t]);
+          acc1 += U::dot(row1, unit, x[t]);
         }
       }
 #pragma unroll 1
       for (int o = L >> 1; o > 0; o >>= 1) {  // within the lane group
-        acc[0] += __shfl_xor_sync(0xFFFFFFFFu, acc[0], o);
-        acc[1] += __shfl_xor_sync(0xFFFFFFFFu, acc[1], o);
+        acc0 += __shfl_xor_sync(0xFFFFFFFFu, acc0, o);
+        acc1 += __shfl_xor_sync(0xFFFFFFFFu, acc1, o);
       }
+      if (slot == 0) {
+        a.out[task * a.n + r0 + rr0 + lane_row] = acc0;
+        a.out[task * a.n + r0 + rr0 + rows_per_pass + lane_row] = acc1;
+      }
+    }
+    for (; rr0 < rows; rr0 += rows_per_pass) {
+      const int rr = rr0 + lane_row;
+      float acc = 0.0f;
+      if (rr < rows) {
+        const uint8_t* row = rows_at + static_cast<int64_t>(rr) * a.row_bytes;
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (rr[h] < rows && slot == 0) a.out[task * a.n + r0 + rr[h]] = acc[h];
+        for (int t = 0; t < S; ++t) {
+          const int unit = t * L + slot;
+          if (unit < a.units_per_row) acc += U::dot(row, unit, x[t]);
+        }
+      }
+#pragma unroll 1
+      for (int o = L >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, o);
+      if (rr < rows && slot == 0) a.out[task * a.n + r0 + rr] = acc;
     }
     __syncwarp();
   }
