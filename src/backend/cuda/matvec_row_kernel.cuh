@@ -12,8 +12,10 @@
 //    float (one per 32 weights; Q2_K's minimums one more), with the activation sums per 16 kept
 //    as integers (Q3_K's -4 offset becomes the dp4a chains' starting value), and the block's
 //    d / dmin multiply once per 128 weights;
-//  * Q2_K's 2-bit values are masked in place, not shifted (RowUnit<Q2_K>::prepare);
-//  * two rows per pass of a lane group, so their products and shuffle sums overlap.
+//  * Q2_K's 2-bit values and Q3_K's first three 3-bit planes are masked in place, not shifted
+//    (RowUnit<...>::prepare);
+//  * two rows per pass of a lane group with no branch between them, so the compiler interleaves
+//    their loads, products and shuffle sums.
 // The host uses it only when the weights' alignment allows (matvec.cu); everything else runs
 // the general kernel.
 #pragma once
