@@ -17,7 +17,7 @@ for f in build-fuzz/fuzz/fuzz_*; do
   name=$(basename "$f")
   work="build-fuzz/corpus-$name"; mkdir -p "$work"
   seeds="fuzz/corpus/${name#fuzz_}"
-  "$f" -max_total_time="$fuzz_seconds" -rss_limit_mb=2048 -max_len=65536 "$work" ${seeds:+$( [ -d "$seeds" ] && echo "$seeds")} \
+  "$f" -max_total_time="$fuzz_seconds" -rss_limit_mb=2048 -artifact_prefix="build-fuzz/$name-" -max_len=65536 "$work" ${seeds:+$( [ -d "$seeds" ] && echo "$seeds")} \
     >"build-fuzz/$name.log" 2>&1 || { tail -50 "build-fuzz/$name.log"; echo "fuzzer $name found a failure"; exit 1; }
   grep -E "^Done|#[0-9]+.*DONE" "build-fuzz/$name.log" | tail -1 || true
 done
