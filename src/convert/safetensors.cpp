@@ -94,7 +94,8 @@ std::string StTensor::shape_string() const {
 
 struct SafetensorsFile::Impl {
   std::filesystem::path path;
-  std::optional<MappedFile> map;  // set by open()
+  std::optional<MappedFile> map;  // set by open() / open_bytes()
+  bool file_backed = false;       // madvise(DONTNEED) is only safe on a file mapping
   std::vector<StTensor> tensors;
   std::map<std::string, size_t, std::less<>> by_name;
   std::map<std::string, std::string> metadata;
@@ -117,7 +118,7 @@ const StTensor* SafetensorsFile::find(std::string_view name) const {
 
 void SafetensorsFile::release(std::span<const uint8_t> bytes) const {
   const uint8_t* base = impl_->map->data();
-  if (!base || bytes.empty()) return;
+  if (!impl_->file_backed || !base || bytes.empty()) return;
   // Whole pages only; the neighbours of a partial page are simply read again if needed
   // (the mapping is read-only and file-backed, so dropping pages never loses data).
   static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
@@ -130,11 +131,24 @@ void SafetensorsFile::release(std::span<const uint8_t> bytes) const {
 
 Result<SafetensorsFile> SafetensorsFile::open(const std::filesystem::path& path,
                                                uint32_t file_index) {
-  const std::string file = path.string();
   auto impl = std::make_unique<Impl>();
   impl->path = path;
-  DSV4_ASSIGN_OR_RETURN(MappedFile map, MappedFile::open(file));
+  DSV4_ASSIGN_OR_RETURN(MappedFile map, MappedFile::open(path.string()));
   impl->map = std::move(map);
+  impl->file_backed = true;
+  return parse(std::move(impl), file_index);
+}
+
+Result<SafetensorsFile> SafetensorsFile::open_bytes(std::string name, std::span<const uint8_t> bytes,
+                                                     uint32_t file_index) {
+  auto impl = std::make_unique<Impl>();
+  impl->path = name;
+  impl->map = MappedFile::from_bytes(std::move(name), bytes);
+  return parse(std::move(impl), file_index);
+}
+
+Result<SafetensorsFile> SafetensorsFile::parse(std::unique_ptr<Impl> impl, uint32_t file_index) {
+  const std::string file = impl->path.string();
   const uint8_t* base = impl->map->data();
   const uint64_t size = impl->map->size();
 
@@ -155,7 +169,7 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::filesystem::path& path,
   json header;
   try {
     header = json::parse(base + 8, base + data_start);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
     return Status::errorf("{}: header is not valid JSON: {}", file, e.what());
   }
   if (!header.is_object()) return Status::errorf("{}: header is not a JSON object", file);
@@ -271,7 +285,7 @@ Result<Checkpoint> Checkpoint::open(const std::filesystem::path& dir) {
     json index;
     try {
       index = json::parse(text);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
       return Status::errorf("{}: not valid JSON: {}", where, e.what());
     }
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())

@@ -50,6 +50,10 @@ class SafetensorsFile {
  public:
   // `file_index` is stored in each StTensor (a Checkpoint's position of this file).
   static Result<SafetensorsFile> open(const std::filesystem::path& path, uint32_t file_index = 0);
+  // The same validation on a copy of `bytes` (fuzz targets, tests); `name` stands in for
+  // the path in messages. release() is a no-op on such a file.
+  static Result<SafetensorsFile> open_bytes(std::string name, std::span<const uint8_t> bytes,
+                                            uint32_t file_index = 0);
 
   SafetensorsFile(SafetensorsFile&&) noexcept;
   SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
@@ -70,6 +74,8 @@ class SafetensorsFile {
  private:
   struct Impl;
   explicit SafetensorsFile(std::unique_ptr<Impl> impl);
+  // The one parser behind open() and open_bytes(): validates impl->map and fills impl.
+  static Result<SafetensorsFile> parse(std::unique_ptr<Impl> impl, uint32_t file_index);
   std::unique_ptr<Impl> impl_;
 };
 
