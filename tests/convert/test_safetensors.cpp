@@ -67,6 +67,20 @@ TEST(Safetensors, WriterRoundTrip) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(ta->data) % 8, 0u);
   f->release(ta->bytes());  // pages come back on the next read
   EXPECT_EQ(std::memcmp(ta->data, a.data(), a.size() * 4), 0);
+
+  // The same bytes from memory give the same tensors; release() must leave a buffer that
+  // is not a file mapping alone (MADV_DONTNEED would zero anonymous pages).
+  std::ifstream in(dir / "x.safetensors", std::ios::binary);
+  const std::vector<uint8_t> file_bytes{std::istreambuf_iterator<char>(in), {}};
+  auto m = SafetensorsFile::open_bytes("x.safetensors", file_bytes);
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  const StTensor* ma = m->find("a.weight");
+  ASSERT_NE(ma, nullptr);
+  m->release(ma->bytes());
+  EXPECT_EQ(std::memcmp(ma->data, a.data(), a.size() * 4), 0);
+  ASSERT_NE(m->find("b"), nullptr);
+  EXPECT_EQ(std::vector<uint8_t>(m->find("b")->data, m->find("b")->data + 7), b);
+  EXPECT_EQ(m->metadata(), f->metadata());
 }
 
 TEST(Safetensors, WriterRemovesTemporaryWithoutFinish) {
@@ -106,12 +120,22 @@ TEST(Safetensors, MalformedFilesGiveClearErrors) {
       {file_with_header(R"({"t":{"dtype":"U8","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}})", 4),
        "overflows"},
       {file_with_header(R"({"__metadata__":{"format":3}})", 0), "not a string"},
+      // fuzz_safetensors found this one: a number beyond double range made the JSON
+      // library throw out_of_range (not parse_error), which escaped open() and aborted.
+      {file_with_header(R"({"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"s":3e7943})", 1),
+       "not valid JSON"},
   };
   for (const Case& c : cases) {
     write_bytes(p, c.bytes);
     const std::string msg = open_error(p);
     EXPECT_NE(msg.find(c.expect), std::string::npos) << "expected \"" << c.expect << "\" in: " << msg;
     EXPECT_NE(msg.find("bad.safetensors"), std::string::npos) << msg;
+    // open_bytes shares open()'s parser, so it must reject the same bytes the same way.
+    auto from_memory = SafetensorsFile::open_bytes(
+        "mem.safetensors", {reinterpret_cast<const uint8_t*>(c.bytes.data()), c.bytes.size()});
+    ASSERT_FALSE(from_memory.is_ok()) << c.expect;
+    EXPECT_NE(from_memory.status().message().find(c.expect), std::string::npos) << from_memory.status().message();
+    EXPECT_NE(from_memory.status().message().find("mem.safetensors"), std::string::npos);
   }
   EXPECT_NE(open_error(dir / "absent.safetensors").find("absent.safetensors"), std::string::npos);
 }
@@ -138,6 +162,8 @@ TEST(Safetensors, CheckpointIndexProblems) {
             std::string::npos);
   EXPECT_NE(error(R"({"weight_map":{"x":"../a.safetensors"}})").find("not a file name"), std::string::npos);
   EXPECT_NE(error(R"({"weight_map":)").find("not valid JSON"), std::string::npos);
+  EXPECT_NE(error(R"({"metadata":{"total_size":1e999},"weight_map":{"x":"a.safetensors"}})").find("not valid JSON"),
+            std::string::npos);
   EXPECT_NE(error(R"({"metadata":{}})").find("weight_map"), std::string::npos);
 
   write_bytes(dir / "model.safetensors.index.json", R"({"metadata":{"total_size":6},"weight_map":{"x":"a.safetensors"}})");
