@@ -1,11 +1,13 @@
-// Prefill-size products: dequantise-to-BF16 + cuBLASLt against cuBLASLt BF16 on weights
-// already in BF16 (the same shapes, the same run), in TFLOP/s.
+// Prefill-size products: dequantise-to-BF16 + cuBLASLt, and the hand-written wgmma BF16
+// kernel (gemm_wgmma.h), against cuBLASLt BF16 on weights already in BF16 (the same shapes,
+// the same run), in TFLOP/s.
 #include <cublasLt.h>
 
 #include <cstdio>
 #include <string>
 
 #include "backend/cuda/gemm_prefill.h"
+#include "backend/cuda/gemm_wgmma.h"
 #include "bench_util.cuh"
 
 using namespace dsv4;
@@ -40,6 +42,16 @@ int main() {
       const double base_tf = flops / base_us / 1e6;
       report("prefill", std::string("cuBLAS bf16 m=") + std::to_string(m) + " " + s.name, base_tf, "TFLOP/s", 1.0,
              std::to_string(base_us) + " us");
+      const double wgmma_us = time_us(stream, 
+          [&] {
+            check_status(gemm_wgmma_bf16(a.get<__nv_bfloat16>(), wb.get<__nv_bfloat16>(), c.get<float>(), m, s.n, s.k,
+                                         stream),
+                         "gemm_wgmma_bf16");
+          },
+          10);
+      const double wgmma_tf = flops / wgmma_us / 1e6;
+      report("prefill", std::string("wgmma bf16 m=") + std::to_string(m) + " " + s.name, wgmma_tf, "TFLOP/s",
+             wgmma_tf / base_tf, std::to_string(wgmma_us) + " us");
       for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::MXFP4, GgmlType::IQ2_XXS}) {
         Buffer w(*ggml_row_bytes(type, s.k) * s.n);
         fill_weights(type, w.p, w.bytes, 5);
