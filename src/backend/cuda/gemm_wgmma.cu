@@ -13,10 +13,12 @@ namespace dsv4::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kStages = 4;
+constexpr int kStages = 3;
 constexpr int kTileBytes = kWgmmaTileM * kWgmmaTileK * 2;  // 16 KiB, same for A and W
 constexpr int kStageBytes = 2 * kTileBytes;
 // Swizzled tiles must start on 1024 bytes; the dynamic shared base is rounded up in-kernel.
+// Three stages (97 KiB) let two blocks share a multiprocessor, so one block's loads and
+// epilogue overlap the other's wgmma (each block waits for its own wgmma every k-tile).
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
@@ -80,7 +82,7 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* c, float x, float y) {
 }
 
 template <class Out>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 2)
     gemm_wgmma_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w, Out* __restrict__ c,
                       int64_t n, int64_t k) {
   extern __shared__ uint8_t smem_raw[];

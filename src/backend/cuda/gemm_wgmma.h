@@ -2,7 +2,7 @@
 // cuBLASLt's (gemm_prefill.h) for prefill-size products: C[m][n] = A[m][k] · W[n][k]^T,
 // A (activations) and W (weights) bf16 row-major, f32 accumulation, f32 or bf16 output.
 // Tiles of 128x128x64, two warpgroups per block, operands staged in shared memory in the
-// 128-byte swizzle by cp.async, four stages deep.
+// 128-byte swizzle by cp.async, three stages deep, two blocks per multiprocessor.
 #pragma once
 
 #include <cuda_bf16.h>
