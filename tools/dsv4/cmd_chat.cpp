@@ -5,6 +5,7 @@
 // The conversation is re-rendered each turn (earlier reasoning dropped, as the official
 // encoder does); the cache is reused wherever the new prompt extends the old tokens.
 #include <errno.h>
+#include <poll.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -23,10 +24,17 @@ struct ChatCliOptions {
 
 enum class LineResult { kLine, kEof, kInterrupted };
 
-// Reads one line from stdin with read(2), so that Ctrl-C (EINTR) can be told apart.
+// Reads one line from stdin. Ctrl-C can arrive at any moment, also just before the read
+// would block (where a plain read(2) would never see it), so the flag is checked before
+// every wait and the wait is a short poll(2) rather than a blocking read.
 LineResult read_line(std::string& line, InterruptFlag& interrupt) {
   line.clear();
   for (;;) {
+    if (interrupt.take()) return LineResult::kInterrupted;
+    pollfd in{STDIN_FILENO, POLLIN, 0};
+    const int ready = ::poll(&in, 1, 100);
+    if (ready == 0 || (ready < 0 && errno == EINTR)) continue;
+    if (ready < 0) return LineResult::kEof;
     char c;
     const ssize_t n = ::read(STDIN_FILENO, &c, 1);
     if (n == 1) {
@@ -35,10 +43,7 @@ LineResult read_line(std::string& line, InterruptFlag& interrupt) {
       continue;
     }
     if (n == 0) return line.empty() ? LineResult::kEof : LineResult::kLine;
-    if (errno == EINTR) {
-      if (interrupt.take()) return LineResult::kInterrupted;
-      continue;
-    }
+    if (errno == EINTR) continue;
     return LineResult::kEof;
   }
 }
