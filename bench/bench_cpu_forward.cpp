@@ -18,8 +18,8 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "model/model.h"
-#include "model/presets.h"
-#include "model/synth.h"
+#include "synth/presets.h"
+#include "synth/synth.h"
 
 namespace dsv4 {
 namespace {

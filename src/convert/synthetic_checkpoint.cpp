@@ -10,7 +10,7 @@
 #include "convert/converter.h"
 #include "convert/official_tensor.h"
 #include "convert/safetensors_writer.h"
-#include "model/synth.h"
+#include "synth/synth.h"
 #include "text/builtin_tokenizer.h"
 #include "util/float_formats.h"
 #include "util/thread_pool.h"

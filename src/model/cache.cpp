@@ -6,7 +6,7 @@ namespace dsv4 {
 
 Result<CachePlan> CachePlan::compute(const ModelConfig& config, uint64_t context, bool with_mtp) {
   if (context == 0 || context > config.context_length)
-    return Status::errorf("cache plan: context {} outside [1, {}] (the model's context length)",
+    return Status::errorf(StatusCode::kOutOfRange, "cache plan: context {} outside [1, {}] (the model's context length)",
                           context, config.context_length);
   CacheLayout layout = plan_cache_layout(config, CacheFormat::F32);
   if (!with_mtp) layout.blocks.resize(config.n_layers);  // trunk blocks come first
@@ -24,7 +24,7 @@ Status CacheBudget::commit(uint64_t bytes, const std::string& what) {
   uint64_t used = used_.load();
   do {
     if (used + bytes > limit_)
-      return Status::errorf("cache budget: {} needs {} more bytes, {} of {} already committed",
+      return Status::errorf(StatusCode::kResourceExhausted, "cache budget: {} needs {} more bytes, {} of {} already committed",
                             what, bytes, used, limit_);
   } while (!used_.compare_exchange_weak(used, used + bytes));
   return Status::ok();

@@ -36,7 +36,7 @@ Result<std::unique_ptr<Sequence>> Model::new_sequence(const SequenceOptions& so)
   DSV4_ASSIGN_OR_RETURN(CachePlan plan,
                         CachePlan::compute(c, so.max_context ? so.max_context : c.context_length, so.with_mtp));
   if (so.memory_budget && plan.total() > so.memory_budget)
-    return Status::errorf("new_sequence: {} exceeds the memory budget of {} bytes", plan.describe(),
+    return Status::errorf(StatusCode::kResourceExhausted, "new_sequence: {} exceeds the memory budget of {} bytes", plan.describe(),
                           so.memory_budget);
   if (so.shared_budget) DSV4_TRY(so.shared_budget->commit(plan.fixed(), "new sequence (windows, compressor states)"));
   std::unique_ptr<Sequence> seq(new Sequence());
@@ -87,12 +87,12 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
         return Status::errorf("forward: batch items {} and {} share one sequence", j, i);
     const int64_t n = static_cast<int64_t>(it.tokens.size());
     if (static_cast<uint64_t>(it.sequence->position() + n) > it.sequence->max_context())
-      return Status::errorf("forward: batch item {}: {} tokens at position {} exceed the "
+      return Status::errorf(StatusCode::kOutOfRange, "forward: batch item {}: {} tokens at position {} exceed the "
                             "sequence's context of {}", i, n, it.sequence->position(),
                             it.sequence->max_context());
     for (int32_t t : it.tokens)
       if (t < 0 || static_cast<uint32_t>(t) >= config_.vocab_size)
-        return Status::errorf("forward: batch item {}: token id {} outside the vocabulary of {}",
+        return Status::errorf(StatusCode::kOutOfRange, "forward: batch item {}: token id {} outside the vocabulary of {}",
                               i, t, config_.vocab_size);
     items.push_back({it.sequence, static_cast<int64_t>(tokens.size()), n, it.sequence->position()});
     tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());

@@ -15,15 +15,15 @@ Result<MappedFile> MappedFile::open(const std::string& path, bool map) {
   MappedFile f;
   f.path_ = path;
   f.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd_ < 0) return Status::errorf("{}: cannot open: {}", path, std::strerror(errno));
+  if (f.fd_ < 0) return Status::errorf(StatusCode::kIo, "{}: cannot open: {}", path, std::strerror(errno));
   struct stat st {};
-  if (::fstat(f.fd_, &st) != 0) return Status::errorf("{}: cannot stat: {}", path, std::strerror(errno));
+  if (::fstat(f.fd_, &st) != 0) return Status::errorf(StatusCode::kIo, "{}: cannot stat: {}", path, std::strerror(errno));
   if (!S_ISREG(st.st_mode)) return Status::errorf("{}: not a regular file", path);
   f.size_ = static_cast<uint64_t>(st.st_size);
   if (map && f.size_ > 0) {
     void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_SHARED, f.fd_, 0);
     if (p == MAP_FAILED)
-      return Status::errorf("{}: cannot map {} bytes: {}", path, f.size_, std::strerror(errno));
+      return Status::errorf(StatusCode::kIo, "{}: cannot map {} bytes: {}", path, f.size_, std::strerror(errno));
     f.data_ = static_cast<const uint8_t*>(p);
     f.owns_mapping_ = true;
   }
@@ -81,9 +81,9 @@ Status MappedFile::read_at(uint64_t offset, void* out, size_t n) const {
     const ssize_t got = ::pread(fd_, dst + done, n - done, static_cast<off_t>(offset + done));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0)
-      return Status::errorf("{}: read at offset {} failed: {}", path_, offset + done, std::strerror(errno));
+      return Status::errorf(StatusCode::kIo, "{}: read at offset {} failed: {}", path_, offset + done, std::strerror(errno));
     if (got == 0)
-      return Status::errorf("{}: file shrank while reading (offset {})", path_, offset + done);
+      return Status::errorf(StatusCode::kIo, "{}: file shrank while reading (offset {})", path_, offset + done);
     done += static_cast<size_t>(got);
   }
   return Status::ok();

@@ -1,15 +1,20 @@
-// Errors as values. A Status is either ok or carries one human-readable message that
-// names what was wrong (file, field, value, limit); Result<T> is a T or such a Status.
-// Modules return these instead of throwing across their boundaries (LevelDB style).
+// Errors as values. A Status is either ok or carries a code and one human-readable
+// message that names what was wrong (file, field, value, limit); Result<T> is a T or such a
+// Status. Modules return these instead of throwing across their boundaries (LevelDB style).
+// The code lets a caller act on the kind of failure without parsing text (the server maps
+// it to an HTTP status: invalid argument 400, out of range 400, resource exhausted 429/503,
+// I/O and internal 500).
 #pragma once
 
-// fmt 9's headers do not compile under nvcc in C++20 mode, so CUDA translation units
-// see Status without errorf (build messages there with std::string).
+// fmt 9's headers do not compile under nvcc in C++20 mode, so CUDA translation units get
+// errorf from a small formatter below that substitutes each "{}" with operator<<.
 #ifndef __CUDACC__
 #include <fmt/format.h>
 #endif
+#include <sstream>
 
 #include <cassert>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -18,34 +23,96 @@
 
 namespace dsv4 {
 
+enum class StatusCode : uint8_t {
+  kOk,
+  kInvalidArgument,    // the input is wrong (a file, a request, a parameter): fix the input
+  kOutOfRange,         // a valid kind of input past a limit (context length, token id, size)
+  kResourceExhausted,  // memory or a budget is full now; the same input may fit later
+  kIo,                 // the operating system failed a read, write, map or open
+  kInternal,           // a bug or a device failure: nothing the caller did
+  kCancelled,          // stopped on request (Ctrl-C, a client that went away)
+};
+std::string_view status_code_name(StatusCode code);  // "invalid argument", ...
+
+// "{}"-only formatting through operator<< (what CUDA translation units use for errorf).
+namespace detail {
+inline void format_into(std::ostringstream& os, std::string_view f) { os << f; }
+template <typename T, typename... Rest>
+void format_into(std::ostringstream& os, std::string_view f, const T& value, const Rest&... rest) {
+  const size_t at = f.find("{}");
+  if (at == std::string_view::npos) { os << f; return; }
+  os << f.substr(0, at) << value;
+  format_into(os, f.substr(at + 2), rest...);
+}
+template <typename... Args>
+std::string stream_format(std::string_view f, const Args&... args) {
+  std::ostringstream os;
+  format_into(os, f, args...);
+  return os.str();
+}
+}  // namespace detail
+
 class [[nodiscard]] Status {
  public:
   Status() = default;  // ok
   static Status ok() { return Status(); }
-  static Status error(std::string message) { return Status(std::move(message)); }
+  // Without a code, an error is an invalid argument: most errors here report bad input.
+  static Status error(std::string message) { return error(StatusCode::kInvalidArgument, std::move(message)); }
+  static Status error(StatusCode code, std::string message) {
+    assert(code != StatusCode::kOk);
+    return Status(code, std::move(message));
+  }
 #ifndef __CUDACC__
   template <typename... Args>
   static Status errorf(fmt::format_string<Args...> f, Args&&... args) {
-    return Status(fmt::format(f, std::forward<Args>(args)...));
+    return error(fmt::format(f, std::forward<Args>(args)...));
+  }
+  template <typename... Args>
+  static Status errorf(StatusCode code, fmt::format_string<Args...> f, Args&&... args) {
+    return error(code, fmt::format(f, std::forward<Args>(args)...));
+  }
+#else
+  template <typename... Args>
+  static Status errorf(std::string_view f, const Args&... args) {
+    return errorf(StatusCode::kInvalidArgument, f, args...);
+  }
+  template <typename... Args>
+  static Status errorf(StatusCode code, std::string_view f, const Args&... args) {
+    return error(code, detail::stream_format(f, args...));
   }
 #endif
 
   bool is_ok() const { return !message_.has_value(); }
   explicit operator bool() const { return is_ok(); }
+  StatusCode code() const { return code_; }
   const std::string& message() const {
     static const std::string kOk = "ok";
     return message_ ? *message_ : kOk;
   }
-  // Adds context in front: "file.gguf: " + "tensor x: shape ...".
+  // Adds context in front: "file.gguf: " + "tensor x: shape ..." (the code is kept).
   Status with_context(const std::string& context) const {
     if (is_ok()) return *this;
-    return Status(context + ": " + *message_);
+    return Status(code_, context + ": " + *message_);
   }
 
  private:
-  explicit Status(std::string m) : message_(std::move(m)) {}
+  Status(StatusCode code, std::string m) : code_(code), message_(std::move(m)) {}
+  StatusCode code_ = StatusCode::kOk;
   std::optional<std::string> message_;
 };
+
+inline std::string_view status_code_name(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return "ok";
+    case StatusCode::kInvalidArgument: return "invalid argument";
+    case StatusCode::kOutOfRange: return "out of range";
+    case StatusCode::kResourceExhausted: return "resource exhausted";
+    case StatusCode::kIo: return "i/o error";
+    case StatusCode::kInternal: return "internal error";
+    case StatusCode::kCancelled: return "cancelled";
+  }
+  return "unknown";
+}
 
 template <typename T>
 class [[nodiscard]] Result {

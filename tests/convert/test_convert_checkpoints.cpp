@@ -17,7 +17,7 @@
 #include "convert/synthetic_checkpoint.h"
 #include "gguf/gguf_file.h"
 #include "gguf/quant.h"
-#include "model/synth.h"
+#include "synth/synth.h"
 #include "support/test_support.h"
 
 namespace dsv4::convert {

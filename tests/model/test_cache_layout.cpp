@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "model/cache_layout.h"
-#include "model/presets.h"
+#include "synth/presets.h"
 
 namespace dsv4 {
 namespace {

@@ -7,7 +7,7 @@
 #include <set>
 
 #include "gguf/gguf_file.h"
-#include "model/presets.h"
+#include "synth/presets.h"
 #include "model/tensor_catalog.h"
 
 namespace dsv4 {

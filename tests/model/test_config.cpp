@@ -7,7 +7,7 @@
 #include "gguf/gguf_file.h"
 #include "gguf/gguf_writer.h"
 #include "model/config.h"
-#include "model/presets.h"
+#include "synth/presets.h"
 #include "support/test_support.h"
 
 namespace dsv4 {

@@ -11,8 +11,8 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "model/model.h"
-#include "model/presets.h"
-#include "model/synth.h"
+#include "synth/presets.h"
+#include "synth/synth.h"
 #include "support/test_support.h"
 
 namespace dsv4 {

@@ -6,7 +6,7 @@
 #include <filesystem>
 
 #include "backend/cpu/cpu_backend.h"
-#include "model/builtin_model.h"
+#include "synth/builtin_model.h"
 #include "runtime/generator.h"
 
 namespace dsv4::runtime {

@@ -15,11 +15,11 @@
 
 #include "commands.h"
 #include "gguf/gguf_file.h"
-#include "model/builtin_model.h"
+#include "synth/builtin_model.h"
 #include "model/cache_layout.h"
 #include "model/config.h"
-#include "model/presets.h"
-#include "model/synth.h"
+#include "synth/presets.h"
+#include "synth/synth.h"
 #include "model/tensor_catalog.h"
 
 namespace dsv4::cli {

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "commands.h"
-#include "model/presets.h"
-#include "model/synth.h"
+#include "synth/presets.h"
+#include "synth/synth.h"
 
 namespace dsv4::cli {
 namespace {

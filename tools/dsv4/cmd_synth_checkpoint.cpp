@@ -8,7 +8,7 @@
 
 #include "commands.h"
 #include "convert/synthetic_checkpoint.h"
-#include "model/presets.h"
+#include "synth/presets.h"
 
 namespace dsv4::cli {
 namespace {

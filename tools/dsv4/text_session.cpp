@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "gguf/gguf_file.h"
-#include "model/builtin_model.h"
+#include "synth/builtin_model.h"
 
 namespace dsv4::cli {
 namespace {

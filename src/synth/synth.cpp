@@ -1,4 +1,4 @@
-#include "model/synth.h"
+#include "synth/synth.h"
 
 #include <fmt/format.h>
 

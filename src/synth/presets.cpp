@@ -1,4 +1,4 @@
-#include "model/presets.h"
+#include "synth/presets.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

@@ -1,4 +1,4 @@
-#include "model/builtin_model.h"
+#include "synth/builtin_model.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -9,8 +9,8 @@
 
 #include "gguf/gguf_file.h"
 #include "model/config.h"
-#include "model/presets.h"
-#include "model/synth.h"
+#include "synth/presets.h"
+#include "synth/synth.h"
 #include "model/tensor_catalog.h"
 
 namespace dsv4 {

@@ -7,8 +7,8 @@
 #include <fstream>
 
 #include "gguf/gguf_file.h"
-#include "model/builtin_model.h"
-#include "model/synth.h"
+#include "synth/builtin_model.h"
+#include "synth/synth.h"
 #include "support/test_support.h"
 
 namespace dsv4 {

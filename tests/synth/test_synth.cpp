@@ -12,8 +12,8 @@
 
 #include "gguf/gguf_file.h"
 #include "gguf/quant.h"
-#include "model/presets.h"
-#include "model/synth.h"
+#include "synth/presets.h"
+#include "synth/synth.h"
 #include "support/test_support.h"
 #include "util/thread_pool.h"
 
