@@ -87,6 +87,60 @@ enum class MatmulMode {
               // dot products; exact for weight types without an integer path)
 };
 
+// ---- one step's rows and the cache views the DeepSeek-V4 operations read ---------------
+//
+// A step processes the rows (tokens) of several sequences at once. Row r belongs to the
+// step's sequence row_seq[r] and sits at absolute position positions[r]; a sequence's rows
+// are consecutive, in position order. Everything an operation needs to know about lengths
+// (window fill, visible compressed entries, keys per query) follows from these arrays and
+// the layer's ratio, so it lives on the device and no operation needs the host inside a
+// step. Tensors are sized by capacity: a padding row (row_seq = -1, e.g. an unused slot of
+// a CUDA-graph batch bucket) computes something finite and writes no cache.
+struct StepRows {
+  int64_t n = 0;       // rows (the tensors' first dimension)
+  int64_t n_seqs = 0;  // sequences
+  Tensor tokens;       // I32 [n]: input ids (hash routing, embeddings)
+  Tensor positions;    // I32 [n]
+  Tensor row_seq;      // I32 [n]: the row's sequence in this step, -1 for a padding row
+  Tensor seqs;         // I32 [n_seqs, kSeqFields]: see SeqField
+  // Upper bound on (last position + 1) over the step's sequences: sizes per-step buffers
+  // that grow with the context (indexer scores); the live lengths stay on the device.
+  int64_t max_end = 0;
+};
+enum SeqField : int { kSeqFirstRow = 0, kSeqRows = 1, kSeqFirstPos = 2, kSeqSlot = 3, kSeqFields = 4 };
+
+// Fixed-size per-sequence state in one tensor for every cache slot: slot s owns rows
+// [s * rows_per_slot, (s + 1) * rows_per_slot) of `data` (F32 [slots * rows_per_slot, width]).
+// Window rings (row = position mod window) and compressor states are kept this way.
+struct SlotRows {
+  Tensor data;
+  int64_t rows_per_slot = 0;
+};
+
+// Rows that grow with a sequence (compressed KV entries, indexer keys), in fixed-size pages
+// of one pool: row i of slot s lives at pool row page_table[s, i / page_rows] * page_rows +
+// i % page_rows. Pages are handed out by the cache manager (model/kv_cache.h) before a step.
+struct PagedRows {
+  Tensor pool;        // F32 [pages * page_rows, width]
+  Tensor page_table;  // I32 [slots, max_pages]
+  int64_t page_rows = 0;
+};
+
+// The keys one attention layer reads (spec §3.1-§3.5). For row r at position t:
+//   window keys: positions max(0, t - window + 1) .. t, in position order, from `chunk`
+//     (this step's KV rows) for positions of this step and from `ring` otherwise;
+//   compressed keys (ratio > 0): with `selected` absent, every visible entry
+//     0 .. (t + 1) / ratio - 1 in order (HCA); else the entries listed in selected[r]
+//     (CSA: ascending, -1 = unused slot) of `entries`.
+struct AttentionKeys {
+  int64_t window = 0;
+  SlotRows ring;        // [slots * window, d]
+  Tensor chunk;         // F32 [n, d]
+  int ratio = 0;
+  PagedRows entries;    // width d
+  Tensor selected;      // I32 [n, top-k], or empty
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -105,6 +159,16 @@ class Backend {
   virtual Status download(const Tensor& src, void* host, size_t bytes) = 0;
   // dst rows [0, src.rows) = src rows (same type and row width; any row strides).
   virtual Status copy_rows(const Tensor& src, const Tensor& dst) = 0;
+  // Every element of an F32 or I32 tensor set to `value` (I32: value converted).
+  virtual Status fill(const Tensor& t, float value) = 0;
+
+  // --- steps ------------------------------------------------------------------------------
+  // Scratch for one step's intermediates: begin_step() releases everything scratch() handed
+  // out since the previous begin_step(). Scratch memory is NOT zero-filled (the CPU backend
+  // can poison it with NaN to prove that nothing reads what it did not write); tensors from
+  // scratch() are valid until the next begin_step().
+  virtual void begin_step() = 0;
+  virtual Result<Tensor> scratch(GgmlType type, std::span<const int64_t> shape) = 0;
 
   // --- dense operations (x, y are F32 [rows, cols] unless stated) --------------------------
   // y[s, o] = sum_i w[o, i] * x[s, i].
@@ -140,31 +204,43 @@ class Backend {
                          const Tensor& base, int n_hc, float hc_eps, float norm_eps,
                          const Tensor& x) = 0;
 
-  // Attention with a sink (spec §3.1) over selected keys. q F32 [S, H*d]; keys come from
-  // the concatenation of kv_a [Na, d] and kv_b [Nb, d] (K = V); idx I32 [S, K] indexes that
-  // concatenation, -1 = unused slot; sink F32 [H]; out F32 [S, H*d].
-  virtual Status sparse_attention(const Tensor& q, const Tensor& kv_a, const Tensor& kv_b,
-                                  const Tensor& idx, const Tensor& sink, float scale,
-                                  const Tensor& out) = 0;
+  // Attention with a sink (spec §3.1) for every row of a step over the keys described by
+  // `keys` (see AttentionKeys). q F32 [n, H*d]; sink F32 [H]; out F32 [n, H*d]. Per row and
+  // head one joint softmax over the window keys then the compressed keys, in that order.
+  virtual Status attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
+                           const Tensor& sink, float scale, const Tensor& out) = 0;
+  // Window ring update after attention: each sequence's last min(rows, window) rows of
+  // `kv` (F32 [n, d]) are written to its ring at slot position mod window.
+  virtual Status store_window(const Tensor& kv, const StepRows& rows, int64_t window,
+                              const SlotRows& ring) = 0;
 
-  // Compressor (spec §3.3): feeds tokens at consecutive positions first_pos.. into the
-  // per-sequence state and writes one pooled (pre-norm) entry per completed block.
-  // kv, score F32 [S, overlap*w] (score without APE); ape F32 [ratio, overlap*w];
-  // state_kv, state_score F32 [overlap*ratio, overlap*w]; entries F32 [>= n_new, w].
-  // Returns the number of entries written.
-  virtual Result<int64_t> compress(const Tensor& kv, const Tensor& score, const Tensor& ape,
-                                   int64_t first_pos, int ratio, bool overlap,
-                                   const Tensor& state_kv, const Tensor& state_score,
-                                   const Tensor& entries) = 0;
+  // Compressor (spec §3.3): feeds every row's kv and score (F32 [n, overlap*w]; score
+  // without APE) at its position into its sequence's state (state_kv, state_score:
+  // [slots * overlap*ratio, overlap*w]). A row whose position closes a block
+  // (position % ratio == ratio - 1) writes that block's pooled (pre-norm) entry to
+  // pooled[row] (F32 [n, w]); other rows of `pooled` are left as they were.
+  // ape F32 [ratio, overlap*w].
+  virtual Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio,
+                          bool overlap, const StepRows& rows, const SlotRows& state_kv,
+                          const SlotRows& state_score, const Tensor& pooled) = 0;
+  // out[r] = positions[r] rounded down to a multiple of `ratio` (the first position of the
+  // row's compressor block: where its entry is rotated, spec §3.3).
+  virtual Status block_positions(const StepRows& rows, int ratio, const Tensor& out) = 0;
+  // Rows of `pooled` (F32 [n, w]) that close a block are stored as entry position / ratio
+  // of their sequence in `dst` (the pages must exist: the cache manager's job).
+  virtual Status store_entries(const Tensor& pooled, int ratio, const StepRows& rows,
+                               const PagedRows& dst) = 0;
 
-  // Lightning-indexer scores (spec §3.6): scores[s, b] = sum_h w[s,h] relu(q[s,h] . keys[b])
-  // for b < visible[s], -inf beyond. q F32 [S, H*dk], w F32 [S, H], keys F32 [N, dk],
-  // visible I32 [S], scores F32 [S, N].
-  virtual Status indexer_scores(const Tensor& q, const Tensor& w, const Tensor& keys,
-                                const Tensor& visible, const Tensor& scores) = 0;
-  // Per row: the indices of the k largest of the first visible[s] scores (all of them
-  // when visible[s] <= k), ascending, then -1 padding; written at idx[s, 0..k) + offset.
-  virtual Status top_k(const Tensor& scores, const Tensor& visible, int k, int32_t offset,
+  // Lightning-indexer scores (spec §3.6): for row r with visible(r) = (position + 1) / ratio
+  // entries, scores[r, b] = sum_h w[r,h] relu(q[r,h] . keys_b) for b < visible(r) (keys of
+  // the row's sequence), -inf for visible(r) <= b < scores.cols. q F32 [n, H*dk],
+  // w F32 [n, H], keys width dk, scores F32 [n, >= max visible].
+  virtual Status indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys,
+                                int ratio, const StepRows& rows, const Tensor& scores) = 0;
+  // Per row: the indices of the k largest of the first visible(r) scores (all of them when
+  // visible(r) <= k; equal scores keep the lower index), ascending, then -1 padding, into
+  // idx I32 [n, k].
+  virtual Status top_k(const Tensor& scores, int ratio, const StepRows& rows, int k,
                        const Tensor& idx) = 0;
 
   // Walsh-Hadamard rotation of each `width`-wide group of every row, scaled by width^-1/2.

@@ -2,15 +2,19 @@
 
 #include <fmt/format.h>
 
+#include "model/kv_cache.h"
+
 namespace dsv4 {
 
-Result<CachePlan> CachePlan::compute(const ModelConfig& config, uint64_t context, bool with_mtp) {
+Result<CachePlan> CachePlan::compute(const ModelConfig& config, uint64_t context, bool with_mtp,
+                                     uint64_t page_rows) {
   if (context == 0 || context > config.context_length)
     return Status::errorf(StatusCode::kOutOfRange, "cache plan: context {} outside [1, {}] (the model's context length)",
                           context, config.context_length);
   CacheLayout layout = plan_cache_layout(config, CacheFormat::F32);
   if (!with_mtp) layout.blocks.resize(config.n_layers);  // trunk blocks come first
-  return CachePlan{layout.totals_at(context), context};
+  CachePlan plan{layout.totals_at(context, page_rows), context, page_rows ? page_rows : 1};
+  return plan;
 }
 
 std::string CachePlan::describe() const {
@@ -31,23 +35,11 @@ Status CacheBudget::commit(uint64_t bytes, const std::string& what) {
 }
 
 Sequence::~Sequence() {
-  if (budget_) budget_->release(committed_);
+  if (cache_) cache_->detach(*this);
 }
 
-Status Sequence::commit_through(int64_t end) {
-  uint64_t bytes = 0;
-  for (const Block& b : blocks_)
-    if (b.ratio)
-      bytes += static_cast<uint64_t>(end / b.ratio - b.committed_entries) *
-               (entry_row_bytes_ + (b.index_keys.valid() ? key_row_bytes_ : 0));
-  if (bytes == 0) return Status::ok();
-  if (budget_)
-    DSV4_TRY(budget_->commit(bytes, fmt::format("sequence at position {}: compressed entries through "
-                                                "position {}", position_, end)));
-  for (Block& b : blocks_)
-    if (b.ratio) b.committed_entries = end / b.ratio;
-  committed_ += bytes;
-  return Status::ok();
+uint64_t Sequence::committed_bytes() const {
+  return cache_ ? plan_.fixed() + cache_->referenced_bytes(*this) : 0;
 }
 
 }  // namespace dsv4

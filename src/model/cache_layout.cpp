@@ -63,16 +63,17 @@ double CacheLayout::bytes_per_token() const {
 
 uint64_t CacheLayout::bytes_at(uint64_t n_tokens) const { return totals_at(n_tokens).total(); }
 
-CacheTotals CacheLayout::totals_at(uint64_t n_tokens) const {
+CacheTotals CacheLayout::totals_at(uint64_t n_tokens, uint64_t page_rows) const {
   CacheTotals t;
   for (const auto& b : blocks) {
     t.windows += b.window_bytes;
     t.compressor_states += b.compressor_state_bytes + b.indexer_state_bytes;
+    const uint64_t rows = round_up(b.entries(n_tokens), page_rows ? page_rows : 1);
     if (b.kind == AttentionKind::CSA) {
-      t.csa_entries += b.entry_bytes_at(n_tokens);
-      t.index_keys += b.index_key_bytes_at(n_tokens);
+      t.csa_entries += rows * b.entry_bytes;
+      t.index_keys += rows * b.index_key_bytes;
     } else if (b.kind == AttentionKind::HCA) {
-      t.hca_entries += b.entry_bytes_at(n_tokens);
+      t.hca_entries += rows * b.entry_bytes;
     }
   }
   return t;

@@ -83,7 +83,9 @@ struct CacheLayout {
   uint64_t fixed_bytes() const;
   double bytes_per_token() const;  // growth rate, averaged over each ratio
   uint64_t bytes_at(uint64_t n_tokens) const;
-  CacheTotals totals_at(uint64_t n_tokens) const;
+  // With page_rows > 1 the growing parts are counted in whole pages of that many rows (the
+  // cache manager's allocation unit).
+  CacheTotals totals_at(uint64_t n_tokens, uint64_t page_rows = 1) const;
 };
 
 // `config` must be valid.

@@ -3,34 +3,51 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace dsv4 {
 
 using backend::Tensor;
 
-Result<Tensor> ForwardPass::i32(const std::vector<int32_t>& host, std::vector<int64_t> shape) const {
-  DSV4_ASSIGN_OR_RETURN(Tensor t, be.alloc(GgmlType::I32, shape));
+Result<Tensor> ForwardPass::upload_i32(const std::vector<int32_t>& host, std::vector<int64_t> shape) const {
+  DSV4_ASSIGN_OR_RETURN(Tensor t, i32(std::move(shape)));
   DSV4_TRY(be.upload(t, host.data(), host.size() * sizeof(int32_t)));
   return t;
 }
 
-Result<ForwardRows> ForwardPass::make_rows(std::vector<SequenceRows> items,
-                                           const std::vector<int32_t>& tokens) const {
-  ForwardRows rows;
+Result<Step> ForwardPass::make_step(std::vector<StepItem> items, const std::vector<int32_t>& tokens) const {
+  Step step;
+  backend::StepRows& rows = step.rows;
   rows.n = static_cast<int64_t>(tokens.size());
-  std::vector<int32_t> positions(tokens.size());
-  for (const SequenceRows& r : items)
-    for (int64_t i = 0; i < r.n; ++i) positions[r.row0 + i] = static_cast<int32_t>(r.pos0 + i);
-  rows.items = std::move(items);
-  DSV4_ASSIGN_OR_RETURN(rows.tokens, i32(tokens, {rows.n}));
-  DSV4_ASSIGN_OR_RETURN(rows.positions, i32(positions, {rows.n}));
-  return rows;
+  rows.n_seqs = static_cast<int64_t>(items.size());
+  std::vector<int32_t> positions(tokens.size()), row_seq(tokens.size());
+  std::vector<int32_t> seqs(items.size() * backend::kSeqFields);
+  for (size_t s = 0; s < items.size(); ++s) {
+    const StepItem& it = items[s];
+    for (int64_t i = 0; i < it.n; ++i) {
+      positions[it.row0 + i] = static_cast<int32_t>(it.pos0 + i);
+      row_seq[it.row0 + i] = static_cast<int32_t>(s);
+    }
+    int32_t* f = &seqs[s * backend::kSeqFields];
+    f[backend::kSeqFirstRow] = static_cast<int32_t>(it.row0);
+    f[backend::kSeqRows] = static_cast<int32_t>(it.n);
+    f[backend::kSeqFirstPos] = static_cast<int32_t>(it.pos0);
+    f[backend::kSeqSlot] = static_cast<int32_t>(it.seq->slot());
+    rows.max_end = std::max(rows.max_end, it.pos0 + it.n);
+  }
+  DSV4_ASSIGN_OR_RETURN(rows.tokens, upload_i32(tokens, {rows.n}));
+  DSV4_ASSIGN_OR_RETURN(rows.positions, upload_i32(positions, {rows.n}));
+  DSV4_ASSIGN_OR_RETURN(rows.row_seq, upload_i32(row_seq, {rows.n}));
+  DSV4_ASSIGN_OR_RETURN(rows.seqs, upload_i32(seqs, {rows.n_seqs, backend::kSeqFields}));
+  step.items = std::move(items);
+  return step;
 }
 
-Result<Tensor> ForwardPass::embed(const Tensor& table, const ForwardRows& rows) const {
-  const int64_t d = c.hidden;
-  DSV4_ASSIGN_OR_RETURN(Tensor e, f32({rows.n, d}));
-  DSV4_TRY(be.get_rows(table, rows.tokens, e));
-  DSV4_ASSIGN_OR_RETURN(Tensor streams, f32({rows.n, c.hc_mult * d}));
+Result<Tensor> ForwardPass::embed(const Tensor& table, const Step& step) const {
+  const int64_t d = c.hidden, n = step.rows.n;
+  DSV4_ASSIGN_OR_RETURN(Tensor e, f32({n, d}));
+  DSV4_TRY(be.get_rows(table, step.rows.tokens, e));
+  DSV4_ASSIGN_OR_RETURN(Tensor streams, f32({n, c.hc_mult * d}));
   for (uint32_t j = 0; j < c.hc_mult; ++j) DSV4_TRY(be.copy_rows(e, streams.columns(j * d, d)));
   return streams;
 }
@@ -52,30 +69,46 @@ Status ForwardPass::hc_post(const Tensor& y, const HcMix& mix, const Tensor& str
   return be.hc_post(y, mix.post, mix.comb, c.hc_mult, streams);
 }
 
-Status ForwardPass::block(uint32_t b, const Tensor& streams, const ForwardRows& rows) const {
+Status ForwardPass::block(const LayerPlan& layer, const Tensor& streams, const Step& step) const {
+  const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
-  const int64_t d = c.hidden;
+  const int64_t d = c.hidden, n = step.rows.n;
 
   DSV4_ASSIGN_OR_RETURN(HcMix attn_mix, hc_pre(bw.hc_attn, streams));
-  DSV4_ASSIGN_OR_RETURN(Tensor attn_in, f32({rows.n, d}));
+  DSV4_ASSIGN_OR_RETURN(Tensor attn_in, f32({n, d}));
   DSV4_TRY(be.rms_norm(attn_mix.x, &bw.attn_norm, c.rms_eps, d, attn_in));
   DSV4_TRY(note(b, "attn_in", attn_in));
-  DSV4_ASSIGN_OR_RETURN(Tensor attn_out, attention(b, attn_in, rows));
+  DSV4_ASSIGN_OR_RETURN(Tensor attn_out, attention(layer, attn_in, step));
   DSV4_TRY(note(b, "attn_out", attn_out));
   DSV4_TRY(hc_post(attn_out, attn_mix, streams));
 
   DSV4_ASSIGN_OR_RETURN(HcMix ffn_mix, hc_pre(bw.hc_ffn, streams));
-  DSV4_ASSIGN_OR_RETURN(Tensor ffn_in, f32({rows.n, d}));
+  DSV4_ASSIGN_OR_RETURN(Tensor ffn_in, f32({n, d}));
   DSV4_TRY(be.rms_norm(ffn_mix.x, &bw.ffn_norm, c.rms_eps, d, ffn_in));
-  DSV4_ASSIGN_OR_RETURN(Tensor ffn_out, moe(b, ffn_in, rows));
+  DSV4_ASSIGN_OR_RETURN(Tensor ffn_out, moe(layer, ffn_in, step));
   DSV4_TRY(note(b, "ffn_out", ffn_out));
   DSV4_TRY(hc_post(ffn_out, ffn_mix, streams));
   return note(b, "out_streams", streams);
 }
 
-Status ForwardPass::record(uint32_t b, const char* what, const Tensor& t, int32_t index_offset) const {
+Status ForwardPass::record(uint32_t b, const char* what, const Tensor& t) const {
   const std::string block = c.is_mtp(b) ? fmt::format("mtp.{}", b - c.n_layers) : fmt::format("layers.{}", b);
-  return trace->record(fmt::format("{}.{}", block, what), t, index_offset);
+  return trace->record(fmt::format("{}.{}", block, what), t);
+}
+
+Status ForwardPass::note_entries(uint32_t b, const char* what, const Tensor& t, int ratio,
+                                 const Step& step) const {
+  if (!trace) return Status::ok();
+  // Rows that close a block, per sequence in step order (rows are in step order already).
+  std::vector<int32_t> closing;
+  for (const StepItem& it : step.items)
+    for (int64_t i = 0; i < it.n; ++i)
+      if ((it.pos0 + i + 1) % ratio == 0) closing.push_back(static_cast<int32_t>(it.row0 + i));
+  if (closing.empty()) return Status::ok();
+  DSV4_ASSIGN_OR_RETURN(Tensor ids, upload_i32(closing, {static_cast<int64_t>(closing.size())}));
+  DSV4_ASSIGN_OR_RETURN(Tensor picked, f32({static_cast<int64_t>(closing.size()), t.cols()}));
+  DSV4_TRY(be.get_rows(t, ids, picked));
+  return record(b, what, picked);
 }
 
 Result<Tensor> ForwardPass::head(const HcSite& hc, const Tensor& norm, const Tensor& output,
@@ -92,10 +125,10 @@ Result<Tensor> ForwardPass::head(const HcSite& hc, const Tensor& norm, const Ten
 }
 
 Result<Tensor> ForwardPass::mtp_input(const BlockWeights& bw, const Tensor& streams,
-                                      const ForwardRows& rows) const {
-  const int64_t n = rows.n, d = c.hidden, hc = c.hc_mult;
+                                      const Step& step) const {
+  const int64_t n = step.rows.n, d = c.hidden, hc = c.hc_mult;
   DSV4_ASSIGN_OR_RETURN(Tensor e, f32({n, d}));
-  DSV4_TRY(be.get_rows(bw.embed, rows.tokens, e));
+  DSV4_TRY(be.get_rows(bw.embed, step.rows.tokens, e));
   DSV4_TRY(be.rms_norm(e, &bw.enorm, c.rms_eps, d, e));
   DSV4_ASSIGN_OR_RETURN(Tensor h, f32({n, hc * d}));
   DSV4_TRY(be.rms_norm(streams, &bw.hnorm, c.rms_eps, d, h));  // each stream on its own

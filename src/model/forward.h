@@ -2,52 +2,56 @@
 // names (shared/spec/deepseek-v4-architecture.md §2-§5). Internal to src/model/: the
 // public entry points are Model::forward and Model::mtp (model.h).
 //
-// A call processes the rows of several sequences at once. Token-wise work (projections,
-// norms, mHC, MoE) runs over all rows together; attention, with its window ring,
-// compressors and indexer, runs per sequence on that sequence's rows.
+// A step processes the rows of several sequences at once, every operation over all rows
+// in one call: token-wise work (projections, norms, mHC, MoE) as rows, attention, the
+// compressors and the indexer with per-sequence metadata on the device (backend.h's
+// StepRows), so nothing loops over sequences and nothing waits for the device. Each block
+// dispatches on its LayerPlan (layer_plan.h); the caches are views from the KvCache.
+// Intermediates live in the backend's step scratch.
 #pragma once
 
 #include <vector>
 
 #include "backend/backend.h"
-#include "model/cache.h"
 #include "model/config.h"
+#include "model/kv_cache.h"
+#include "model/layer_plan.h"
 #include "model/model.h"
 #include "model/trace.h"
 #include "model/weights.h"
 
 namespace dsv4 {
 
-// One sequence's rows within the call.
-struct SequenceRows {
+// One sequence's rows within the step (host side).
+struct StepItem {
   Sequence* seq = nullptr;
-  int64_t row0 = 0;   // first row in the call's tensors
-  int64_t n = 0;      // rows (tokens)
-  int64_t pos0 = 0;   // absolute position of the first row
+  int64_t row0 = 0;  // first row in the step's tensors
+  int64_t n = 0;     // rows (tokens)
+  int64_t pos0 = 0;  // absolute position of the first row
 };
 
-struct ForwardRows {
-  std::vector<SequenceRows> items;
-  int64_t n = 0;
-  backend::Tensor tokens;     // I32 [n]: the input ids (hash routing)
-  backend::Tensor positions;  // I32 [n]
+// The step's rows: host description and the device metadata built from it once.
+struct Step {
+  std::vector<StepItem> items;
+  backend::StepRows rows;
 };
 
 struct ForwardPass {
   const ModelConfig& c;
+  const ModelPlan& plan;
   const ModelWeights& w;
   const ModelOptions& opt;
   backend::Backend& be;
+  KvCache& cache;
   ForwardTrace* trace = nullptr;  // optional: receives the named intermediates (trace.h)
 
-  // Upload the rows' tokens and positions.
-  Result<ForwardRows> make_rows(std::vector<SequenceRows> items,
-                                const std::vector<int32_t>& tokens) const;
+  // Uploads the step's tokens, positions and per-sequence metadata (one upload each).
+  Result<Step> make_step(std::vector<StepItem> items, const std::vector<int32_t>& tokens) const;
 
   // §2.2: token embeddings copied into every stream: [n, hc*D].
-  Result<backend::Tensor> embed(const backend::Tensor& table, const ForwardRows& rows) const;
+  Result<backend::Tensor> embed(const backend::Tensor& table, const Step& step) const;
   // §2.5: one decoder block (trunk or MTP), updating streams in place.
-  Status block(uint32_t b, const backend::Tensor& streams, const ForwardRows& rows) const;
+  Status block(const LayerPlan& layer, const backend::Tensor& streams, const Step& step) const;
   // §2.3 / §2.4: the mHC collapse and expansion around a sublayer.
   struct HcMix { backend::Tensor x, post, comb; };
   Result<HcMix> hc_pre(const HcSite& site, const backend::Tensor& streams) const;
@@ -57,39 +61,32 @@ struct ForwardPass {
                                const backend::Tensor& output, const backend::Tensor& streams) const;
   // §5: the MTP block's input streams from the main streams and the next tokens' embeddings.
   Result<backend::Tensor> mtp_input(const BlockWeights& bw, const backend::Tensor& streams,
-                                    const ForwardRows& rows) const;
+                                    const Step& step) const;
 
-  // §3 (attention.cpp).
-  Result<backend::Tensor> attention(uint32_t b, const backend::Tensor& x, const ForwardRows& rows) const;
-  Status attend_sequence(uint32_t b, const SequenceRows& r, const backend::Tensor& x,
-                         const backend::Tensor& qr, const backend::Tensor& q,
-                         const backend::Tensor& kv, const backend::Tensor& positions,
-                         const backend::Tensor& out) const;
-  // §3.3: feeds a sequence's rows to a compressor; returns the entries completed (normed,
-  // rotated, QAT-rounded), or an empty tensor when none completed.
-  Result<backend::Tensor> compress(uint32_t b, const CompressorWeights& cw, bool indexer,
-                                   const SequenceRows& r, const backend::Tensor& x,
-                                   const backend::Tensor& state_kv,
-                                   const backend::Tensor& state_score) const;
-  // §3.6: the lightning indexer's top-k for a sequence's rows, into idx columns.
-  Status indexer(uint32_t b, const SequenceRows& r, const backend::Tensor& x,
-                 const backend::Tensor& qr, const backend::Tensor& positions,
-                 const backend::Tensor& keys, int32_t offset, const backend::Tensor& idx) const;
-  backend::RopeParams rope_params(uint32_t b) const;
+  // §3 (attention.cpp): Q/KV paths, compressed entries, indexer, attention, output.
+  Result<backend::Tensor> attention(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;
+  // §3.3: feeds the step's rows to a compressor and stores the entries they complete
+  // (normed, rotated, QAT-rounded) in the cache list `list`.
+  Status compress(const LayerPlan& layer, const CompressorWeights& cw, bool indexer, int32_t state,
+                  int32_t list, const backend::Tensor& x, const Step& step) const;
+  // §3.6: the lightning indexer's top-k entries per row into idx I32 [n, top-k].
+  Status indexer(const LayerPlan& layer, const backend::Tensor& x, const backend::Tensor& qr,
+                 const Step& step, const backend::Tensor& idx) const;
 
   // §4 (moe.cpp).
-  Result<backend::Tensor> moe(uint32_t b, const backend::Tensor& x, const ForwardRows& rows) const;
+  Result<backend::Tensor> moe(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;
 
-  // Records block b's quantity `what` in the trace, if any (trace.h: names, offsets).
-  Status note(uint32_t b, const char* what, const backend::Tensor& t, int32_t index_offset = 0) const {
-    return trace ? record(b, what, t, index_offset) : Status::ok();
+  // Records block b's quantity `what` in the trace, if any (trace.h: names).
+  Status note(uint32_t b, const char* what, const backend::Tensor& t) const {
+    return trace ? record(b, what, t) : Status::ok();
   }
-  Status record(uint32_t b, const char* what, const backend::Tensor& t, int32_t index_offset) const;
+  // The same for the rows of a per-row entry tensor that close a compressor block.
+  Status note_entries(uint32_t b, const char* what, const backend::Tensor& t, int ratio, const Step& step) const;
+  Status record(uint32_t b, const char* what, const backend::Tensor& t) const;
 
-  Result<backend::Tensor> f32(std::vector<int64_t> shape) const {
-    return be.alloc(GgmlType::F32, shape);
-  }
-  Result<backend::Tensor> i32(const std::vector<int32_t>& host, std::vector<int64_t> shape) const;
+  Result<backend::Tensor> f32(std::vector<int64_t> shape) const { return be.scratch(GgmlType::F32, shape); }
+  Result<backend::Tensor> i32(std::vector<int64_t> shape) const { return be.scratch(GgmlType::I32, shape); }
+  Result<backend::Tensor> upload_i32(const std::vector<int32_t>& host, std::vector<int64_t> shape) const;
 };
 
 }  // namespace dsv4

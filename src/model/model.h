@@ -7,11 +7,13 @@
 //   auto logits = (*model)->prefill(**seq, prompt_ids);        // logits of the last token
 //   logits = (*model)->decode(**seq, next_id);                 // one token
 //
-// forward() runs several independent sequences in one batch; each item appends its
+// forward() runs several independent sequences in one step; each item appends its
 // tokens at its sequence's next positions. Results are bit-identical whatever the
-// chunking and batching (backend.h explains why). One call at a time per backend (the
-// CPU backend's thread pool is not reentrant); a failed call leaves its sequences
-// unusable except when it was refused before computing (bad input, context, budget).
+// chunking and batching (backend.h explains why). The model's cache manager (kv_cache.h)
+// holds every sequence's state; a Sequence is a handle into it. One call at a time per
+// model (the cache manager and the backend's step scratch are not reentrant); a failed
+// call leaves its sequences unusable except when it was refused before computing (bad
+// input, context, budget).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,8 @@
 #include "backend/backend.h"
 #include "model/cache.h"
 #include "model/config.h"
+#include "model/kv_cache.h"
+#include "model/layer_plan.h"
 #include "util/status.h"
 
 namespace dsv4 {
@@ -36,6 +40,20 @@ struct ModelOptions {
   bool qat = true;
   // Exact: fp32 reference numerics (CI, fixtures). Quantized: a backend's fast path.
   backend::MatmulMode matmul = backend::MatmulMode::Exact;
+  // The cache manager: sequence slots, page size, physical bytes for pages.
+  KvCacheOptions cache;
+};
+
+// The mutable parts of a sequence at one position (window rings, compressor states,
+// positions), kept on the host: restore() rewinds a sequence to it exactly.
+class SequenceSnapshot {
+ public:
+  int64_t position() const { return snap_.position; }
+  uint64_t bytes() const;
+
+ private:
+  friend class Model;
+  SlotSnapshot snap_;
 };
 
 struct BatchItem {
@@ -84,6 +102,21 @@ class Model {
   // Draft logits of the MTP block, one row per input position: [n, vocab].
   Result<std::vector<float>> mtp(std::span<const MtpItem> batch, ForwardTrace* trace = nullptr) const;
 
+  // An independent copy of seq's whole state (same position; later forwards on either do
+  // not affect the other), charged to the same budget; compressed rows are shared until
+  // one of them writes (copy on write).
+  Result<std::unique_ptr<Sequence>> fork(const Sequence& seq) const;
+  // The mutable parts at seq's current position; entries before it are append-only and
+  // are not copied.
+  Result<SequenceSnapshot> snapshot(const Sequence& seq) const;
+  // Rewinds seq (which must have reached at least the snapshot's position without being
+  // rewound past it since) to the snapshot's state exactly: the continuation is
+  // bit-identical to a sequence that never went further.
+  Status restore(Sequence& seq, const SequenceSnapshot& snap) const;
+
+  const ModelPlan& plan() const { return plan_; }
+  KvCache& cache() const { return *cache_; }
+
   // Conveniences over forward() for one sequence.
   Result<std::vector<float>> prefill(Sequence& seq, std::span<const int32_t> tokens,
                                      bool all_logits = false) const;
@@ -93,9 +126,11 @@ class Model {
   Model() = default;
   std::unique_ptr<gguf::GgufFile> file_;
   ModelConfig config_;
+  ModelPlan plan_;
   ModelOptions options_;
   backend::Backend* backend_ = nullptr;
   std::unique_ptr<ModelWeights> weights_;
+  std::unique_ptr<KvCache> cache_;
 };
 
 }  // namespace dsv4

@@ -202,31 +202,41 @@ TEST_F(ForwardInvariance, BadInputsAreErrors) {
   EXPECT_FALSE(model_->mtp({}).is_ok());  // empty, and the sequence has no MTP cache
 }
 
-// Full-context reservations over one shared budget: rows are charged as they are written.
-TEST_F(ForwardInvariance, SharedBudgetCommitsRowsAsWritten) {
-  const ModelConfig& c = model_->config();
-  auto plan = CachePlan::compute(c, 256, false);
+// Full-context reservations over one shared budget: memory is charged as pages of rows
+// are first written (pages of 4 rows here, so the arithmetic is visible).
+TEST_F(ForwardInvariance, SharedBudgetCommitsPagesAsWritten) {
+  backend::CpuBackend cpu(1);
+  ModelOptions mo;
+  mo.cache.page_rows = 4;
+  auto m = Model::load(path_, cpu, mo);
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  const Model& model = **m;
+  const ModelConfig& c = model.config();
+  auto plan = CachePlan::compute(c, 256, false, 4);
   ASSERT_TRUE(plan.is_ok());
-  // Room for two sequences' fixed parts and a few entries, far less than two full plans.
+  // Room for two sequences' fixed parts and a few pages, far less than two full plans.
   auto budget = std::make_shared<CacheBudget>(2 * plan->fixed() + 40 * 1024);
   SequenceOptions so;
   so.max_context = 256;
   so.shared_budget = budget;
-  auto a = model_->new_sequence(so), b = model_->new_sequence(so);
+  auto a = model.new_sequence(so), b = model.new_sequence(so);
   ASSERT_TRUE(a.is_ok() && b.is_ok());
   EXPECT_EQ(budget->used(), 2 * plan->fixed());
   const auto t = tokens(16, 4);
-  ASSERT_TRUE(model_->prefill(**a, t).is_ok());
-  // 16 tokens: 4 CSA entries + 4 keys in each of 2 layers, 1 HCA entry in each of 2 layers.
-  const uint64_t rows_bytes = 2 * 4 * (256 + 128) * 4 + 2 * 1 * 256 * 4;
-  EXPECT_EQ(budget->used(), 2 * plan->fixed() + rows_bytes);
-  EXPECT_EQ((*a)->committed_bytes(), plan->fixed() + rows_bytes);
+  ASSERT_TRUE(model.prefill(**a, t).is_ok());
+  // 16 tokens: 4 CSA entries + 4 keys (one page each) in each of 2 layers, 1 HCA entry (one
+  // page) in each of 2 layers.
+  const uint64_t pages_bytes = 2 * 4 * (256 + 128) * 4 + 2 * 4 * 256 * 4;
+  EXPECT_EQ(budget->used(), 2 * plan->fixed() + pages_bytes);
+  EXPECT_EQ((*a)->committed_bytes(), plan->fixed() + pages_bytes);
   const auto long_t = tokens(200, 5);
-  const auto r = model_->prefill(**b, long_t);
+  const auto r = model.prefill(**b, long_t);
   ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(r.status().message().find("budget"), std::string::npos) << r.status().message();
+  EXPECT_EQ((*b)->position(), 0);
   a->reset();
-  EXPECT_LT(budget->used(), 2 * plan->fixed() + rows_bytes);
+  EXPECT_EQ(budget->used(), plan->fixed());  // b's fixed part only
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -51,9 +52,76 @@ struct Deleter {
   }
 };
 
+// Host views of a step's metadata (the CPU backend's tensors are host memory).
+struct StepView {
+  int64_t n = 0, n_seqs = 0;
+  const int32_t* positions = nullptr;
+  const int32_t* row_seq = nullptr;
+  const int32_t* seqs = nullptr;  // [n_seqs][kSeqFields]
+
+  const int32_t* seq(int64_t s) const { return seqs + s * kSeqFields; }
+  // The sequence of row r, or nullptr for a padding row.
+  const int32_t* seq_of_row(int64_t r) const { return row_seq[r] < 0 ? nullptr : seq(row_seq[r]); }
+};
+
+Result<StepView> step_view(const StepRows& rows, const char* op) {
+  for (const Tensor* t : {&rows.positions, &rows.row_seq})
+    if (!t->valid() || t->type != GgmlType::I32 || t->n_elements() < rows.n || !t->contiguous())
+      return Status::errorf(StatusCode::kInternal, "{}: step rows: positions/row_seq {} for {} rows", op,
+                            t->describe(), rows.n);
+  if (rows.n_seqs > 0 && (!rows.seqs.valid() || rows.seqs.type != GgmlType::I32 ||
+                          rows.seqs.rows() < rows.n_seqs || rows.seqs.cols() != kSeqFields || !rows.seqs.contiguous()))
+    return Status::errorf(StatusCode::kInternal, "{}: step rows: seqs {} for {} sequences", op, rows.seqs.describe(),
+                          rows.n_seqs);
+  StepView v{rows.n, rows.n_seqs, static_cast<const int32_t*>(rows.positions.data),
+             static_cast<const int32_t*>(rows.row_seq.data), static_cast<const int32_t*>(rows.seqs.data)};
+  for (int64_t r = 0; r < v.n; ++r)
+    if (v.row_seq[r] >= v.n_seqs || v.row_seq[r] < -1 || v.positions[r] < 0)
+      return Status::errorf(StatusCode::kInternal, "{}: row {} has sequence {} of {} at position {}", op, r,
+                            v.row_seq[r], v.n_seqs, v.positions[r]);
+  for (int64_t s = 0; s < v.n_seqs; ++s) {
+    const int32_t* f = v.seq(s);
+    if (f[kSeqFirstRow] < 0 || f[kSeqRows] < 0 || f[kSeqFirstRow] + f[kSeqRows] > v.n || f[kSeqFirstPos] < 0 ||
+        f[kSeqSlot] < 0)
+      return Status::errorf(StatusCode::kInternal, "{}: sequence {}: rows {}+{} of {}, position {}, slot {}", op, s,
+                            f[kSeqFirstRow], f[kSeqRows], v.n, f[kSeqFirstPos], f[kSeqSlot]);
+  }
+  return v;
+}
+
+// Row `i` of slot `slot`'s paged list, or nullptr when no page holds it.
+float* paged_row(const PagedRows& p, int32_t slot, int64_t i) {
+  const int64_t pi = i / p.page_rows;
+  if (slot < 0 || slot >= p.page_table.rows() || i < 0 || pi >= p.page_table.cols()) return nullptr;
+  const int32_t page = i32_row(p.page_table, slot)[pi];
+  if (page < 0 || (int64_t{page} + 1) * p.page_rows > p.pool.rows()) return nullptr;
+  return f32_row(p.pool, int64_t{page} * p.page_rows + i % p.page_rows);
+}
+
+Status expect_paged(const PagedRows& p, const char* op, int64_t width) {
+  if (!p.pool.valid() || p.pool.type != GgmlType::F32 || p.pool.cols() != width || p.page_rows <= 0 ||
+      !p.page_table.valid() || p.page_table.type != GgmlType::I32)
+    return Status::errorf(StatusCode::kInternal, "{}: paged rows: pool {} ({} rows per page), table {}, expected width {}",
+                          op, p.pool.describe(), p.page_rows, p.page_table.describe(), width);
+  return Status::ok();
+}
+
+Status expect_slots(const SlotRows& r, const char* op, const char* arg, int64_t rows_per_slot, int64_t width) {
+  if (!r.data.valid() || r.data.type != GgmlType::F32 || r.rows_per_slot != rows_per_slot ||
+      r.data.cols() != width || r.data.rows() % std::max<int64_t>(rows_per_slot, 1))
+    return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected {} x {}", op, arg,
+                          r.data.describe(), r.rows_per_slot, rows_per_slot, width);
+  return Status::ok();
+}
+
+bool slot_ok(const SlotRows& r, int32_t slot) { return slot >= 0 && (int64_t{slot} + 1) * r.rows_per_slot <= r.data.rows(); }
+
 }  // namespace
 
-CpuBackend::CpuBackend(int n_threads) : pool_(std::make_unique<ThreadPool>(n_threads)) {}
+CpuBackend::CpuBackend(int n_threads) : pool_(std::make_unique<ThreadPool>(n_threads)) {
+  const char* env = std::getenv("DSV4_POISON_SCRATCH");
+  poison_scratch_ = env && env[0] == '1';
+}
 CpuBackend::~CpuBackend() = default;
 
 // ---- memory ----------------------------------------------------------------------------
@@ -117,6 +185,52 @@ Status CpuBackend::copy_rows(const Tensor& src, const Tensor& dst) {
     std::memcpy(static_cast<uint8_t*>(dst.data) + r * dst.row_stride(), byte_row(src, r),
                 row_bytes);
   return Status::ok();
+}
+
+Status CpuBackend::fill(const Tensor& t, float value) {
+  if (t.type != GgmlType::F32 && t.type != GgmlType::I32)
+    return Status::errorf("cpu fill: {} is neither f32 nor i32", t.describe());
+  const int32_t as_int = static_cast<int32_t>(value);
+  for (int64_t r = 0; r < t.rows(); ++r) {
+    if (t.type == GgmlType::F32) std::fill_n(f32_row(t, r), t.cols(), value);
+    else std::fill_n(i32_row(t, r), t.cols(), as_int);
+  }
+  return Status::ok();
+}
+
+void CpuBackend::begin_step() {
+  if (chunks_.size() > 1) {  // one chunk of the total next time
+    size_t total = 0;
+    for (const Chunk& c : chunks_) total += c.bytes;
+    chunks_.clear();
+    void* p = ::operator new(total, std::align_val_t(64));
+    chunks_.push_back({std::shared_ptr<void>(p, Deleter{total, false}), total});
+  }
+  chunk_used_ = 0;
+  step_bytes_ = 0;
+}
+
+Result<Tensor> CpuBackend::scratch(GgmlType type, std::span<const int64_t> shape) {
+  Tensor t = make_descriptor(type, shape);
+  const size_t n = static_cast<size_t>(t.rank > 1 ? t.shape[0] * t.stride[0]
+                                                  : ggml_row_bytes(type, t.shape[0]).value_or(0));
+  if (shape.empty() || n == 0) return Status::errorf("cpu scratch: empty shape {}", t.describe());
+  const size_t need = (n + 63) / 64 * 64;
+  if (chunks_.empty() || chunk_used_ + need > chunks_.back().bytes) {
+    const size_t bytes = std::max<size_t>(need, size_t{16} << 20);
+    void* p = ::operator new(bytes, std::align_val_t(64));
+    chunks_.push_back({std::shared_ptr<void>(p, Deleter{bytes, false}), bytes});
+    chunk_used_ = 0;
+  }
+  t.data = static_cast<uint8_t*>(chunks_.back().memory.get()) + chunk_used_;
+  chunk_used_ += need;
+  step_bytes_ += need;
+  t.backend = this;
+  if (poison_scratch_) {
+    if (type == GgmlType::F32) std::fill_n(static_cast<float*>(t.data), n / sizeof(float), std::numeric_limits<float>::quiet_NaN());
+    else std::memset(t.data, 0xA5, n);
+  }
+  return t;
 }
 
 // ---- dense operations ---------------------------------------------------------------------
@@ -291,127 +405,217 @@ Status CpuBackend::hc_head(const Tensor& streams, const Tensor& mixes, const Ten
 
 // ---- attention ----------------------------------------------------------------------------
 
-Status CpuBackend::sparse_attention(const Tensor& q, const Tensor& kv_a, const Tensor& kv_b,
-                                    const Tensor& idx, const Tensor& sink, float scale,
-                                    const Tensor& out) {
-  const int64_t d = kv_a.cols(), n = q.rows(), n_heads = q.cols() / d;
-  const int64_t n_a = kv_a.rows(), n_b = kv_b.valid() ? kv_b.rows() : 0;
-  DSV4_TRY(expect(q, "sparse_attention", "q", GgmlType::F32, -1, n_heads * d));
-  DSV4_TRY(expect(kv_a, "sparse_attention", "kv_a", GgmlType::F32, -1, d));
-  if (n_b) DSV4_TRY(expect(kv_b, "sparse_attention", "kv_b", GgmlType::F32, -1, d));
-  DSV4_TRY(expect(idx, "sparse_attention", "idx", GgmlType::I32, n, -1));
-  DSV4_TRY(expect(sink, "sparse_attention", "sink", GgmlType::F32, -1, n_heads));
-  DSV4_TRY(expect(out, "sparse_attention", "out", GgmlType::F32, n, n_heads * d));
-  const int64_t k_slots = idx.cols();
-  for (int64_t s = 0; s < n; ++s)
-    for (int64_t j = 0; j < k_slots; ++j) {
-      const int32_t i = i32_row(idx, s)[j];
-      if (i < -1 || i >= n_a + n_b)
-        return Status::errorf("sparse_attention: key index {} (row {}, slot {}) outside [-1, {})",
-                              i, s, j, n_a + n_b);
+Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
+                             const Tensor& sink, float scale, const Tensor& out) {
+  const int64_t d = keys.chunk.cols(), n = rows.n, win = keys.window;
+  const int64_t n_heads = d ? q.cols() / d : 0;
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "attention"));
+  DSV4_TRY(expect(keys.chunk, "attention", "chunk", GgmlType::F32, n, d));
+  DSV4_TRY(expect(q, "attention", "q", GgmlType::F32, n, n_heads * d));
+  DSV4_TRY(expect(sink, "attention", "sink", GgmlType::F32, -1, n_heads));
+  DSV4_TRY(expect(out, "attention", "out", GgmlType::F32, n, n_heads * d));
+  DSV4_TRY(expect_slots(keys.ring, "attention", "ring", win, d));
+  const bool selected = keys.selected.valid();
+  if (keys.ratio) DSV4_TRY(expect_paged(keys.entries, "attention", d));
+  if (selected) DSV4_TRY(expect(keys.selected, "attention", "selected", GgmlType::I32, n, -1));
+  const int64_t comp_slots = selected ? keys.selected.cols() : 0;
+
+  // Every key a row reads must exist: rows of its own sequence, pages in place.
+  for (int64_t r = 0; r < n; ++r) {
+    const int32_t* sq = v.seq_of_row(r);
+    if (!sq) continue;
+    if (!slot_ok(keys.ring, sq[kSeqSlot]))
+      return Status::errorf(StatusCode::kInternal, "attention: row {}: slot {} outside the ring", r, sq[kSeqSlot]);
+    if (!keys.ratio) continue;
+    const int64_t visible = (v.positions[r] + 1) / keys.ratio;
+    for (int64_t j = 0; j < (selected ? comp_slots : visible); ++j) {
+      const int64_t e = selected ? i32_row(keys.selected, r)[j] : j;
+      if (selected && e == -1) continue;
+      if (e < 0 || e >= visible || !paged_row(keys.entries, sq[kSeqSlot], e))
+        return Status::errorf(StatusCode::kInternal, "attention: row {} (position {}) selects entry {} of {} visible",
+                              r, v.positions[r], e, visible);
     }
+  }
   const float* z = static_cast<const float*>(sink.data);
   pool_->parallel_for(n * n_heads, [&](int64_t b, int64_t e, int) {
-    std::vector<const float*> keys(k_slots);
-    std::vector<float> logits(k_slots);
+    std::vector<const float*> key_rows;
+    std::vector<float> logits;
     for (int64_t sh = b; sh < e; ++sh) {
-      const int64_t s = sh / n_heads, h = sh % n_heads;
-      int64_t n_keys = 0;
-      for (int64_t j = 0; j < k_slots; ++j) {
-        const int32_t i = i32_row(idx, s)[j];
-        if (i < 0) continue;
-        keys[n_keys++] = i < n_a ? f32_row(kv_a, i) : f32_row(kv_b, i - n_a);
+      const int64_t r = sh / n_heads, h = sh % n_heads;
+      const int32_t* sq = v.seq_of_row(r);
+      float* o = f32_row(out, r) + h * d;
+      if (!sq) {  // padding row
+        std::fill_n(o, d, 0.0f);
+        continue;
       }
-      cpu::attend_with_sink(f32_row(q, s) + h * d, keys.data(), n_keys, d, scale, z[h],
-                            logits.data(), f32_row(out, s) + h * d);
+      const int64_t t = v.positions[r], first_pos = sq[kSeqFirstPos], first_row = sq[kSeqFirstRow];
+      const int32_t slot = sq[kSeqSlot];
+      key_rows.clear();
+      for (int64_t p = std::max<int64_t>(0, t - win + 1); p <= t; ++p)
+        key_rows.push_back(p >= first_pos ? f32_row(keys.chunk, first_row + (p - first_pos))
+                                          : f32_row(keys.ring.data, slot * win + p % win));
+      if (keys.ratio) {
+        if (selected) {
+          for (int64_t j = 0; j < comp_slots; ++j)
+            if (const int32_t i = i32_row(keys.selected, r)[j]; i >= 0)
+              key_rows.push_back(paged_row(keys.entries, slot, i));
+        } else {
+          for (int64_t i = 0; i < (t + 1) / keys.ratio; ++i) key_rows.push_back(paged_row(keys.entries, slot, i));
+        }
+      }
+      logits.resize(key_rows.size());
+      cpu::attend_with_sink(f32_row(q, r) + h * d, key_rows.data(), static_cast<int64_t>(key_rows.size()), d,
+                            scale, z[h], logits.data(), o);
     }
   });
   return Status::ok();
 }
 
-Result<int64_t> CpuBackend::compress(const Tensor& kv, const Tensor& score, const Tensor& ape,
-                                     int64_t first_pos, int ratio, bool overlap,
-                                     const Tensor& state_kv, const Tensor& state_score,
-                                     const Tensor& entries) {
+Status CpuBackend::store_window(const Tensor& kv, const StepRows& rows, int64_t window, const SlotRows& ring) {
+  const int64_t d = kv.cols();
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "store_window"));
+  DSV4_TRY(expect(kv, "store_window", "kv", GgmlType::F32, rows.n, -1));
+  DSV4_TRY(expect_slots(ring, "store_window", "ring", window, d));
+  for (int64_t s = 0; s < v.n_seqs; ++s) {
+    const int32_t* f = v.seq(s);
+    if (!slot_ok(ring, f[kSeqSlot]))
+      return Status::errorf(StatusCode::kInternal, "store_window: slot {} outside the ring", f[kSeqSlot]);
+    // The ring keeps the sequence's last `window` positions.
+    for (int64_t i = std::max<int64_t>(0, f[kSeqRows] - window); i < f[kSeqRows]; ++i) {
+      const int64_t pos = f[kSeqFirstPos] + i;
+      std::copy_n(f32_row(kv, f[kSeqFirstRow] + i), d, f32_row(ring.data, f[kSeqSlot] * window + pos % window));
+    }
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
+                            const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
+                            const Tensor& pooled) {
   const int o = overlap ? 2 : 1;
-  const int64_t wide = kv.cols(), w = wide / o, n = kv.rows();
-  DSV4_TRY(expect(kv, "compress", "kv", GgmlType::F32, -1, o * w));
+  const int64_t wide = kv.cols(), w = wide / o, n = rows.n;
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "compress"));
+  if (ratio <= 0) return Status::errorf("compress: ratio {}", ratio);
+  DSV4_TRY(expect(kv, "compress", "kv", GgmlType::F32, n, o * w));
   DSV4_TRY(expect(score, "compress", "score", GgmlType::F32, n, o * w));
   DSV4_TRY(expect(ape, "compress", "ape", GgmlType::F32, ratio, o * w));
-  DSV4_TRY(expect(state_kv, "compress", "state_kv", GgmlType::F32, o * ratio, o * w));
-  DSV4_TRY(expect(state_score, "compress", "state_score", GgmlType::F32, o * ratio, o * w));
-  const int64_t n_new = (first_pos + n) / ratio - first_pos / ratio;
-  if (n_new) DSV4_TRY(expect(entries, "compress", "entries", GgmlType::F32, n_new, w));
+  DSV4_TRY(expect_slots(state_kv, "compress", "state_kv", o * ratio, o * w));
+  DSV4_TRY(expect_slots(state_score, "compress", "state_score", o * ratio, o * w));
+  DSV4_TRY(expect(pooled, "compress", "pooled", GgmlType::F32, n, w));
+  for (int64_t s = 0; s < v.n_seqs; ++s)
+    if (!slot_ok(state_kv, v.seq(s)[kSeqSlot]) || !slot_ok(state_score, v.seq(s)[kSeqSlot]))
+      return Status::errorf(StatusCode::kInternal, "compress: slot {} outside the states", v.seq(s)[kSeqSlot]);
   const int64_t cur = overlap ? ratio : 0;  // first state row of the open block
-  int64_t written = 0;
-  for (int64_t s = 0; s < n; ++s) {
-    const int64_t slot = (first_pos + s) % ratio;
-    float* sk = f32_row(state_kv, cur + slot);
-    float* ss = f32_row(state_score, cur + slot);
-    const float* a = f32_row(ape, slot);
-    std::copy(f32_row(kv, s), f32_row(kv, s) + wide, sk);
-    for (int64_t c = 0; c < wide; ++c) ss[c] = f32_row(score, s)[c] + a[c];
-    if (slot != ratio - 1) continue;
-    cpu::pool_block(
-        [&](int64_t row) { return f32_row(state_kv, row); },
-        [&](int64_t row) { return f32_row(state_score, row); }, ratio, overlap, w,
-        f32_row(entries, written++));
-    if (overlap)  // the closed block becomes the previous block of the next entry
-      for (int64_t r = 0; r < ratio; ++r) {
-        std::copy(f32_row(state_kv, cur + r), f32_row(state_kv, cur + r) + wide, f32_row(state_kv, r));
-        std::copy(f32_row(state_score, cur + r), f32_row(state_score, cur + r) + wide,
-                  f32_row(state_score, r));
+  // Sequences are independent; each one's rows feed its state in position order.
+  pool_->parallel_for(v.n_seqs, [&](int64_t sb, int64_t se, int) {
+    for (int64_t sq = sb; sq < se; ++sq) {
+      const int32_t* f = v.seq(sq);
+      const int64_t base = int64_t{f[kSeqSlot]} * o * ratio;
+      const auto kv_row = [&](int64_t r) { return f32_row(state_kv.data, base + r); };
+      const auto score_row = [&](int64_t r) { return f32_row(state_score.data, base + r); };
+      for (int64_t i = 0; i < f[kSeqRows]; ++i) {
+        const int64_t row = f[kSeqFirstRow] + i, slot = (f[kSeqFirstPos] + i) % ratio;
+        float* sk = kv_row(cur + slot);
+        float* ss = score_row(cur + slot);
+        const float* a = f32_row(ape, slot);
+        std::copy(f32_row(kv, row), f32_row(kv, row) + wide, sk);
+        for (int64_t c = 0; c < wide; ++c) ss[c] = f32_row(score, row)[c] + a[c];
+        if (slot != ratio - 1) continue;
+        cpu::pool_block(kv_row, score_row, ratio, overlap, w, f32_row(pooled, row));
+        if (overlap)  // the closed block becomes the previous block of the next entry
+          for (int64_t r = 0; r < ratio; ++r) {
+            std::copy(kv_row(cur + r), kv_row(cur + r) + wide, kv_row(r));
+            std::copy(score_row(cur + r), score_row(cur + r) + wide, score_row(r));
+          }
       }
-  }
-  return written;
-}
-
-Status CpuBackend::indexer_scores(const Tensor& q, const Tensor& w, const Tensor& keys,
-                                  const Tensor& visible, const Tensor& scores) {
-  const int64_t n = q.rows(), dk = keys.cols(), n_heads = w.cols(), n_keys = scores.cols();
-  DSV4_TRY(expect(q, "indexer_scores", "q", GgmlType::F32, -1, n_heads * dk));
-  DSV4_TRY(expect(w, "indexer_scores", "w", GgmlType::F32, n, n_heads));
-  DSV4_TRY(expect(keys, "indexer_scores", "keys", GgmlType::F32, -1, dk));
-  DSV4_TRY(expect(visible, "indexer_scores", "visible", GgmlType::I32, -1, -1));
-  DSV4_TRY(expect(scores, "indexer_scores", "scores", GgmlType::F32, n, -1));
-  const int32_t* vis = static_cast<const int32_t*>(visible.data);
-  for (int64_t s = 0; s < n; ++s)
-    if (vis[s] < 0 || vis[s] > std::min<int64_t>(n_keys, keys.rows()))
-      return Status::errorf("indexer_scores: row {} sees {} keys, have {}", s, vis[s], keys.rows());
-  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
-    for (int64_t s = b; s < e; ++s) {
-      float* out = f32_row(scores, s);
-      for (int64_t k = 0; k < n_keys; ++k)
-        out[k] = k < vis[s] ? cpu::indexer_score(f32_row(q, s), f32_row(w, s), f32_row(keys, k),
-                                                 n_heads, dk)
-                            : kNegInf;
     }
   });
   return Status::ok();
 }
 
-Status CpuBackend::top_k(const Tensor& scores, const Tensor& visible, int k, int32_t offset,
-                         const Tensor& idx) {
-  const int64_t n = scores.rows();
-  DSV4_TRY(expect(scores, "top_k", "scores", GgmlType::F32, -1, -1));
-  DSV4_TRY(expect(visible, "top_k", "visible", GgmlType::I32, -1, -1));
+Status CpuBackend::block_positions(const StepRows& rows, int ratio, const Tensor& out) {
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "block_positions"));
+  if (ratio <= 0) return Status::errorf("block_positions: ratio {}", ratio);
+  if (out.type != GgmlType::I32 || out.n_elements() < rows.n || !out.contiguous())
+    return Status::errorf("block_positions: out {} for {} rows", out.describe(), rows.n);
+  int32_t* o = static_cast<int32_t*>(out.data);
+  for (int64_t r = 0; r < v.n; ++r) o[r] = v.positions[r] - v.positions[r] % ratio;
+  return Status::ok();
+}
+
+Status CpuBackend::store_entries(const Tensor& pooled, int ratio, const StepRows& rows, const PagedRows& dst) {
+  const int64_t w = pooled.cols();
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "store_entries"));
+  if (ratio <= 0) return Status::errorf("store_entries: ratio {}", ratio);
+  DSV4_TRY(expect(pooled, "store_entries", "pooled", GgmlType::F32, rows.n, -1));
+  DSV4_TRY(expect_paged(dst, "store_entries", w));
+  for (int64_t r = 0; r < v.n; ++r) {
+    const int32_t* sq = v.seq_of_row(r);
+    if (!sq || (v.positions[r] + 1) % ratio) continue;
+    float* row = paged_row(dst, sq[kSeqSlot], v.positions[r] / ratio);
+    if (!row)
+      return Status::errorf(StatusCode::kInternal, "store_entries: no page for entry {} of slot {}",
+                            v.positions[r] / ratio, sq[kSeqSlot]);
+    std::copy_n(f32_row(pooled, r), w, row);
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys, int ratio,
+                                  const StepRows& rows, const Tensor& scores) {
+  const int64_t n = rows.n, dk = keys.pool.cols(), n_heads = w.cols(), n_keys = scores.cols();
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "indexer_scores"));
+  if (ratio <= 0) return Status::errorf("indexer_scores: ratio {}", ratio);
+  DSV4_TRY(expect_paged(keys, "indexer_scores", dk));
+  DSV4_TRY(expect(q, "indexer_scores", "q", GgmlType::F32, n, n_heads * dk));
+  DSV4_TRY(expect(w, "indexer_scores", "w", GgmlType::F32, n, n_heads));
+  DSV4_TRY(expect(scores, "indexer_scores", "scores", GgmlType::F32, n, -1));
+  for (int64_t r = 0; r < n; ++r) {
+    const int32_t* sq = v.seq_of_row(r);
+    const int64_t visible = sq ? (v.positions[r] + 1) / ratio : 0;
+    if (visible > n_keys || (visible > 0 && !paged_row(keys, sq[kSeqSlot], visible - 1)))
+      return Status::errorf(StatusCode::kInternal, "indexer_scores: row {} sees {} keys, {} columns or pages missing",
+                            r, visible, n_keys);
+  }
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r) {
+      const int32_t* sq = v.seq_of_row(r);
+      const int64_t visible = sq ? (v.positions[r] + 1) / ratio : 0;
+      float* out = f32_row(scores, r);
+      for (int64_t k = 0; k < n_keys; ++k)
+        out[k] = k < visible ? cpu::indexer_score(f32_row(q, r), f32_row(w, r), paged_row(keys, sq[kSeqSlot], k),
+                                                  n_heads, dk)
+                             : kNegInf;
+    }
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::top_k(const Tensor& scores, int ratio, const StepRows& rows, int k, const Tensor& idx) {
+  const int64_t n = rows.n;
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "top_k"));
+  if (ratio <= 0 || k <= 0) return Status::errorf("top_k: ratio {}, k {}", ratio, k);
+  DSV4_TRY(expect(scores, "top_k", "scores", GgmlType::F32, n, -1));
   if (idx.type != GgmlType::I32 || idx.rows() < n || idx.cols() < k)
     return Status::errorf("top_k: idx {} cannot hold {} x {}", idx.describe(), n, k);
-  const int32_t* vis = static_cast<const int32_t*>(visible.data);
-  for (int64_t s = 0; s < n; ++s) {
-    const int64_t m = std::min<int64_t>(vis[s], scores.cols());
-    std::vector<int32_t> order(m);
-    std::iota(order.begin(), order.end(), 0);
-    const float* sc = f32_row(scores, s);
-    const int64_t take = std::min<int64_t>(k, m);
-    // Highest score first; equal scores keep the lower index (a fixed, documented rule).
-    std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int32_t a, int32_t b) {
-      return sc[a] > sc[b] || (sc[a] == sc[b] && a < b);
-    });
-    std::sort(order.begin(), order.begin() + take);
-    int32_t* out = i32_row(idx, s);
-    for (int j = 0; j < k; ++j) out[j] = j < take ? order[j] + offset : -1;
-  }
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    std::vector<int32_t> order;
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t visible = v.seq_of_row(r) ? (v.positions[r] + 1) / ratio : 0;
+      const int64_t m = std::min<int64_t>(visible, scores.cols());
+      order.resize(m);
+      std::iota(order.begin(), order.end(), 0);
+      const float* sc = f32_row(scores, r);
+      const int64_t take = std::min<int64_t>(k, m);
+      // Highest score first; equal scores keep the lower index (a fixed, documented rule).
+      std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int32_t a, int32_t c) {
+        return sc[a] > sc[c] || (sc[a] == sc[c] && a < c);
+      });
+      std::sort(order.begin(), order.begin() + take);
+      int32_t* out = i32_row(idx, r);
+      for (int j = 0; j < k; ++j) out[j] = j < take ? order[j] : -1;
+    }
+  });
   return Status::ok();
 }
 
@@ -502,26 +706,35 @@ Status CpuBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tensor
   DSV4_TRY(expect(y, "moe_experts", "y", GgmlType::F32, n, d));
   // Each (token, slot) pair's expert output lands in its own row; the per-token sums run
   // in slot order afterwards, so the result does not depend on who else is in the batch.
-  DSV4_ASSIGN_OR_RETURN(Tensor outs, alloc(GgmlType::F32, std::vector<int64_t>{n * k, d}));
+  std::vector<std::vector<int64_t>> pairs(n_experts);  // (token, slot) pairs per expert
+  size_t most = 0;
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = i32_row(experts, s)[j];
+      if (e < 0 || e >= n_experts)
+        return Status::errorf("moe_experts: row {} slot {} names expert {} of {}", s, j, e, n_experts);
+      pairs[e].push_back(s * k + j);
+      most = std::max(most, pairs[e].size());
+    }
+  DSV4_ASSIGN_OR_RETURN(Tensor outs, scratch(GgmlType::F32, std::vector<int64_t>{n * k, d}));
+  const int64_t cap = static_cast<int64_t>(std::max<size_t>(most, 1));
+  DSV4_ASSIGN_OR_RETURN(Tensor xs_all, scratch(GgmlType::F32, std::vector<int64_t>{cap, d}));
+  DSV4_ASSIGN_OR_RETURN(Tensor g_all, scratch(GgmlType::F32, std::vector<int64_t>{cap, inter}));
+  DSV4_ASSIGN_OR_RETURN(Tensor u_all, scratch(GgmlType::F32, std::vector<int64_t>{cap, inter}));
+  DSV4_ASSIGN_OR_RETURN(Tensor o_all, scratch(GgmlType::F32, std::vector<int64_t>{cap, d}));
   for (int64_t e = 0; e < n_experts; ++e) {
-    std::vector<int64_t> pairs;
-    for (int64_t s = 0; s < n; ++s)
-      for (int64_t j = 0; j < k; ++j)
-        if (i32_row(experts, s)[j] == e) pairs.push_back(s * k + j);
-    if (pairs.empty()) continue;
-    const int64_t m = static_cast<int64_t>(pairs.size());
-    DSV4_ASSIGN_OR_RETURN(Tensor xs, alloc(GgmlType::F32, std::vector<int64_t>{m, d}));
-    DSV4_ASSIGN_OR_RETURN(Tensor g, alloc(GgmlType::F32, std::vector<int64_t>{m, inter}));
-    DSV4_ASSIGN_OR_RETURN(Tensor u, alloc(GgmlType::F32, std::vector<int64_t>{m, inter}));
-    DSV4_ASSIGN_OR_RETURN(Tensor o, alloc(GgmlType::F32, std::vector<int64_t>{m, d}));
-    for (int64_t i = 0; i < m; ++i) std::copy(f32_row(x, pairs[i] / k), f32_row(x, pairs[i] / k) + d, f32_row(xs, i));
+    const std::vector<int64_t>& pe = pairs[e];
+    if (pe.empty()) continue;
+    const int64_t m = static_cast<int64_t>(pe.size());
+    const Tensor xs = xs_all.slice(0, m), g = g_all.slice(0, m), u = u_all.slice(0, m), o = o_all.slice(0, m);
+    for (int64_t i = 0; i < m; ++i) std::copy(f32_row(x, pe[i] / k), f32_row(x, pe[i] / k) + d, f32_row(xs, i));
     DSV4_TRY(matmul(gate.at(e), xs, g, mode));
     DSV4_TRY(matmul(up.at(e), xs, u, mode));
     for (int64_t i = 0; i < m; ++i)
       cpu::swiglu(f32_row(g, i), f32_row(u, i), inter, limit,
-                  f32_row(weights, pairs[i] / k)[pairs[i] % k], f32_row(g, i));
+                  f32_row(weights, pe[i] / k)[pe[i] % k], f32_row(g, i));
     DSV4_TRY(matmul(down.at(e), g, o, mode));
-    for (int64_t i = 0; i < m; ++i) std::copy(f32_row(o, i), f32_row(o, i) + d, f32_row(outs, pairs[i]));
+    for (int64_t i = 0; i < m; ++i) std::copy(f32_row(o, i), f32_row(o, i) + d, f32_row(outs, pe[i]));
   }
   for (int64_t s = 0; s < n; ++s)
     for (int64_t j = 0; j < k; ++j) {
@@ -536,9 +749,9 @@ Status CpuBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Tens
                                  const Tensor& down, float limit, MatmulMode mode,
                                  const Tensor& y) {
   const int64_t n = x.rows(), inter = gate.rows();
-  DSV4_ASSIGN_OR_RETURN(Tensor g, alloc(GgmlType::F32, std::vector<int64_t>{n, inter}));
-  DSV4_ASSIGN_OR_RETURN(Tensor u, alloc(GgmlType::F32, std::vector<int64_t>{n, inter}));
-  DSV4_ASSIGN_OR_RETURN(Tensor o, alloc(GgmlType::F32, std::vector<int64_t>{n, x.cols()}));
+  DSV4_ASSIGN_OR_RETURN(Tensor g, scratch(GgmlType::F32, std::vector<int64_t>{n, inter}));
+  DSV4_ASSIGN_OR_RETURN(Tensor u, scratch(GgmlType::F32, std::vector<int64_t>{n, inter}));
+  DSV4_ASSIGN_OR_RETURN(Tensor o, scratch(GgmlType::F32, std::vector<int64_t>{n, x.cols()}));
   DSV4_TRY(matmul(gate, x, g, mode));
   DSV4_TRY(matmul(up, x, u, mode));
   for (int64_t s = 0; s < n; ++s) cpu::swiglu(f32_row(g, s), f32_row(u, s), inter, limit, 1.0f, f32_row(g, s));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "backend/backend.h"
 #include "util/thread_pool.h"
@@ -17,6 +18,9 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
   int threads() const { return pool_->size(); }
+  // Fill every scratch tensor with NaN when it is handed out (tests: proves that nothing
+  // reads a value it did not write). Off by default; DSV4_POISON_SCRATCH=1 turns it on.
+  void set_poison_scratch(bool on) { poison_scratch_ = on; }
 
   Result<Tensor> alloc(GgmlType type, std::span<const int64_t> shape) override;
   Result<Tensor> reserve(GgmlType type, std::span<const int64_t> shape) override;
@@ -24,6 +28,9 @@ class CpuBackend final : public Backend {
   Status upload(const Tensor& dst, const void* host, size_t bytes) override;
   Status download(const Tensor& src, void* host, size_t bytes) override;
   Status copy_rows(const Tensor& src, const Tensor& dst) override;
+  Status fill(const Tensor& t, float value) override;
+  void begin_step() override;
+  Result<Tensor> scratch(GgmlType type, std::span<const int64_t> shape) override;
 
   Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) override;
   Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) override;
@@ -43,15 +50,19 @@ class CpuBackend final : public Backend {
                  const Tensor& base, int n_hc, float hc_eps, float norm_eps,
                  const Tensor& x) override;
 
-  Status sparse_attention(const Tensor& q, const Tensor& kv_a, const Tensor& kv_b,
-                          const Tensor& idx, const Tensor& sink, float scale,
-                          const Tensor& out) override;
-  Result<int64_t> compress(const Tensor& kv, const Tensor& score, const Tensor& ape,
-                           int64_t first_pos, int ratio, bool overlap, const Tensor& state_kv,
-                           const Tensor& state_score, const Tensor& entries) override;
-  Status indexer_scores(const Tensor& q, const Tensor& w, const Tensor& keys,
-                        const Tensor& visible, const Tensor& scores) override;
-  Status top_k(const Tensor& scores, const Tensor& visible, int k, int32_t offset,
+  Status attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
+                   const Tensor& sink, float scale, const Tensor& out) override;
+  Status store_window(const Tensor& kv, const StepRows& rows, int64_t window,
+                      const SlotRows& ring) override;
+  Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
+                  const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
+                  const Tensor& pooled) override;
+  Status block_positions(const StepRows& rows, int ratio, const Tensor& out) override;
+  Status store_entries(const Tensor& pooled, int ratio, const StepRows& rows,
+                       const PagedRows& dst) override;
+  Status indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys, int ratio,
+                        const StepRows& rows, const Tensor& scores) override;
+  Status top_k(const Tensor& scores, int ratio, const StepRows& rows, int k,
                const Tensor& idx) override;
   Status hadamard(const Tensor& x, int64_t width) override;
   Status round_fp8_blocks(const Tensor& x, int64_t cols, int64_t block) override;
@@ -67,6 +78,13 @@ class CpuBackend final : public Backend {
                        float limit, MatmulMode mode, const Tensor& y) override;
 
  private:
+  // Step scratch: bump allocation in 64-byte aligned chunks; begin_step() rewinds, and
+  // replaces several chunks by one of their total size so a steady state uses one.
+  struct Chunk { std::shared_ptr<void> memory; size_t bytes = 0; };
+  std::vector<Chunk> chunks_;
+  size_t chunk_used_ = 0;   // bytes used in the last chunk
+  size_t step_bytes_ = 0;   // bytes handed out since begin_step()
+  bool poison_scratch_ = false;
   std::unique_ptr<ThreadPool> pool_;
 };
 

@@ -1,0 +1,319 @@
+#include "model/kv_cache.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+
+namespace dsv4 {
+
+using backend::Tensor;
+
+// Pages of one row width, shared by every list of that width.
+struct KvCache::Pool {
+  uint32_t width = 0;
+  int64_t page_rows = 0;
+  int64_t n_pages = 0;
+  Tensor data;                                        // F32 [n_pages * page_rows, width]
+  std::vector<int32_t> free;                          // page ids, taken from the back
+  std::vector<uint32_t> refs;                         // sequences referencing each page
+  std::vector<std::shared_ptr<CacheBudget>> charged;  // the budget each page is charged to
+
+  uint64_t page_bytes() const { return static_cast<uint64_t>(page_rows) * width * sizeof(float); }
+};
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::vector<int64_t> shape2(int64_t rows, int64_t cols) { return {rows, cols}; }
+
+}  // namespace
+
+KvCache::KvCache(const ModelPlan& plan, backend::Backend& be) : plan_(plan), be_(be) {}
+KvCache::~KvCache() = default;
+
+Result<std::unique_ptr<KvCache>> KvCache::create(const ModelConfig& c, const ModelPlan& plan,
+                                                 backend::Backend& be, const KvCacheOptions& o) {
+  if (o.max_sequences == 0 || o.page_rows == 0)
+    return Status::errorf("cache: max_sequences {} and page_rows {} must be positive", o.max_sequences,
+                          o.page_rows);
+  std::unique_ptr<KvCache> kc(new KvCache(plan, be));
+  kc->options_ = o;
+  kc->max_context_ = o.max_context ? std::min<uint64_t>(o.max_context, c.context_length) : c.context_length;
+  kc->window_ = plan.window;
+  const int64_t slots = o.max_sequences, P = o.page_rows;
+
+  for (uint32_t r = 0; r < plan.n_rings; ++r) {
+    DSV4_ASSIGN_OR_RETURN(Tensor t, be.reserve(GgmlType::F32, shape2(slots * plan.window, plan.ring_width)));
+    kc->rings_.push_back(t);
+  }
+  for (const CompressorStatePlan& s : plan.states) {
+    DSV4_ASSIGN_OR_RETURN(Tensor kv, be.reserve(GgmlType::F32, shape2(slots * s.rows, s.cols)));
+    DSV4_ASSIGN_OR_RETURN(Tensor score, be.reserve(GgmlType::F32, shape2(slots * s.rows, s.cols)));
+    kc->states_kv_.push_back(kv);
+    kc->states_score_.push_back(score);
+    kc->state_rows_.push_back(s.rows);
+  }
+  kc->fixed_bytes_ = uint64_t{plan.n_rings} * plan.window * plan.ring_width * sizeof(float);
+  for (const CompressorStatePlan& s : plan.states) kc->fixed_bytes_ += 2ull * s.rows * s.cols * sizeof(float);
+
+  // Page tables, and the pages every slot needs at the full context per width.
+  std::map<uint32_t, int64_t> full_pages;  // width -> pages for all slots at max_context
+  for (const CacheListPlan& l : plan.lists) {
+    ListTable t;
+    t.max_pages = ceil_div(static_cast<int64_t>(kc->max_context_) / l.ratio, P);
+    t.max_pages = std::max<int64_t>(t.max_pages, 1);
+    DSV4_ASSIGN_OR_RETURN(t.device, be.reserve(GgmlType::I32, shape2(slots, t.max_pages)));
+    t.host.assign(static_cast<size_t>(slots * t.max_pages), -1);
+    t.dirty.assign(slots, true);
+    full_pages[l.width] += slots * t.max_pages;
+    kc->tables_.push_back(std::move(t));
+  }
+  uint64_t full_bytes = 0;
+  for (auto [width, pages] : full_pages) full_bytes += static_cast<uint64_t>(pages) * P * width * sizeof(float);
+  for (auto [width, pages] : full_pages) {
+    auto pool = std::make_unique<Pool>();
+    pool->width = width;
+    pool->page_rows = P;
+    // A budget is split between the widths in the proportion the full context needs them.
+    pool->n_pages = o.pool_bytes == 0 || full_bytes == 0
+                        ? pages
+                        : std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(o.pool_bytes) *
+                                                                    pages / full_bytes));
+    DSV4_ASSIGN_OR_RETURN(pool->data, be.reserve(GgmlType::F32, shape2(pool->n_pages * P, width)));
+    pool->refs.assign(pool->n_pages, 0);
+    pool->charged.resize(pool->n_pages);
+    for (int64_t p = pool->n_pages - 1; p >= 0; --p) pool->free.push_back(static_cast<int32_t>(p));
+    for (size_t l = 0; l < plan.lists.size(); ++l)
+      if (plan.lists[l].width == width) kc->tables_[l].pool = static_cast<int32_t>(kc->pools_.size());
+    kc->pools_.push_back(std::move(pool));
+  }
+  for (uint32_t s = slots; s > 0; --s) kc->free_slots_.push_back(s - 1);
+  for (ListTable& t : kc->tables_) DSV4_TRY(be.fill(t.device, -1));
+  return kc;
+}
+
+uint64_t KvCache::free_pages(uint32_t width) const {
+  for (const auto& p : pools_)
+    if (p->width == width) return p->free.size();
+  return 0;
+}
+
+backend::PagedRows KvCache::list(int32_t id) const {
+  const ListTable& t = tables_.at(id);
+  return {pools_[t.pool]->data, t.device, pools_[t.pool]->page_rows};
+}
+
+uint64_t KvCache::page_bytes(int32_t list) const { return pools_[tables_.at(list).pool]->page_bytes(); }
+
+uint64_t KvCache::referenced_bytes(const Sequence& seq) const {
+  uint64_t n = 0;
+  for (size_t l = 0; l < seq.pages_.size(); ++l) n += seq.pages_[l].size() * page_bytes(static_cast<int32_t>(l));
+  return n;
+}
+
+int64_t KvCache::rows_at(int32_t list, int64_t position) const { return position / plan_.lists[list].ratio; }
+
+void KvCache::set_page(int32_t list, uint32_t slot, size_t index, int32_t page) {
+  ListTable& t = tables_[list];
+  t.host[slot * t.max_pages + index] = page;
+  t.dirty[slot] = true;
+}
+
+Status KvCache::reset_states(uint32_t slot) {
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    const int64_t rows = state_rows_[s];
+    // Empty slots score -inf, so a block's missing "previous" half weighs nothing; their
+    // values must be finite (0 * inf would be NaN).
+    DSV4_TRY(be_.fill(states_kv_[s].slice(slot * rows, rows), 0.0f));
+    DSV4_TRY(be_.fill(states_score_[s].slice(slot * rows, rows), -std::numeric_limits<float>::infinity()));
+  }
+  return Status::ok();
+}
+
+Status KvCache::attach(Sequence& seq) {
+  if (free_slots_.empty())
+    return Status::errorf(StatusCode::kResourceExhausted, "cache: all {} sequence slots are in use",
+                          options_.max_sequences);
+  if (seq.plan_.context > max_context_)
+    return Status::errorf(StatusCode::kOutOfRange, "cache: a context of {} tokens exceeds the cache's {}",
+                          seq.plan_.context, max_context_);
+  if (seq.budget_) DSV4_TRY(seq.budget_->commit(seq.plan_.fixed(), "new sequence (windows, compressor states)"));
+  const uint32_t slot = free_slots_.back();
+  if (Status st = reset_states(slot); !st) {
+    if (seq.budget_) seq.budget_->release(seq.plan_.fixed());
+    return st;
+  }
+  free_slots_.pop_back();
+  seq.cache_ = this;
+  seq.slot_ = slot;
+  seq.pages_.assign(plan_.lists.size(), {});
+  return Status::ok();
+}
+
+Result<int32_t> KvCache::take_page(int32_t list, const std::shared_ptr<CacheBudget>& budget) {
+  Pool& pool = *pools_[tables_[list].pool];
+  if (pool.free.empty())
+    return Status::errorf(StatusCode::kResourceExhausted, "cache: no free page of {}-wide rows ({} pages in all)",
+                          pool.width, pool.n_pages);
+  const int32_t page = pool.free.back();
+  pool.free.pop_back();
+  pool.refs[page] = 1;
+  pool.charged[page] = budget;
+  return page;
+}
+
+void KvCache::drop_page(int32_t list, int32_t page) {
+  Pool& pool = *pools_[tables_[list].pool];
+  if (--pool.refs[page] > 0) return;
+  if (pool.charged[page]) pool.charged[page]->release(pool.page_bytes());
+  pool.charged[page].reset();
+  pool.free.push_back(page);
+}
+
+Status KvCache::prepare(Sequence& seq, int64_t end) {
+  if (seq.cache_ != this) return Status::error(StatusCode::kInternal, "cache: sequence from another cache");
+  // First count what is needed, so a refusal changes nothing.
+  struct Need { int32_t list; size_t index; bool copy; };
+  std::vector<Need> needs;
+  std::vector<int64_t> per_pool(pools_.size(), 0);
+  uint64_t bytes = 0;
+  for (size_t l = 0; l < plan_.lists.size(); ++l) {
+    const int32_t list = static_cast<int32_t>(l);
+    const int64_t before = rows_at(list, seq.position_), after = rows_at(list, end);
+    if (after <= before) continue;
+    const int64_t P = pools_[tables_[l].pool]->page_rows;
+    if (ceil_div(after, P) > tables_[l].max_pages)
+      return Status::errorf(StatusCode::kOutOfRange, "cache: {} rows exceed the page table's {} pages of {}",
+                            after, tables_[l].max_pages, P);
+    const std::vector<int32_t>& pages = seq.pages_[l];
+    for (int64_t i = before / P; i <= (after - 1) / P; ++i) {
+      const bool exists = i < static_cast<int64_t>(pages.size());
+      if (exists && pools_[tables_[l].pool]->refs[pages[i]] <= 1) continue;  // private already
+      needs.push_back({list, static_cast<size_t>(i), exists});
+      ++per_pool[tables_[l].pool];
+      bytes += pools_[tables_[l].pool]->page_bytes();
+    }
+  }
+  if (needs.empty()) return Status::ok();
+  for (size_t p = 0; p < pools_.size(); ++p)
+    if (per_pool[p] > static_cast<int64_t>(pools_[p]->free.size()))
+      return Status::errorf(StatusCode::kResourceExhausted,
+                            "cache: a sequence at position {} needs {} more pages of {}-wide rows through "
+                            "position {}, {} free", seq.position_, per_pool[p], pools_[p]->width, end,
+                            pools_[p]->free.size());
+  if (seq.budget_)
+    DSV4_TRY(seq.budget_->commit(bytes, fmt::format("sequence at position {}: compressed entries through "
+                                                    "position {}", seq.position_, end)));
+  for (const Need& n : needs) {
+    DSV4_ASSIGN_OR_RETURN(int32_t page, take_page(n.list, seq.budget_));  // cannot fail: counted
+    std::vector<int32_t>& pages = seq.pages_[n.list];
+    if (n.copy) {  // copy on write: the rows so far, then this sequence's own page
+      const Pool& pool = *pools_[tables_[n.list].pool];
+      const int64_t P = pool.page_rows;
+      DSV4_TRY(be_.copy_rows(pool.data.slice(int64_t{pages[n.index]} * P, P), pool.data.slice(int64_t{page} * P, P)));
+      drop_page(n.list, pages[n.index]);
+      pages[n.index] = page;
+    } else {
+      pages.push_back(page);
+    }
+    set_page(n.list, seq.slot_, n.index, page);
+  }
+  return Status::ok();
+}
+
+Status KvCache::sync() {
+  for (ListTable& t : tables_)
+    for (size_t s = 0; s < t.dirty.size(); ++s) {
+      if (!t.dirty[s]) continue;
+      DSV4_TRY(be_.upload(t.device.slice(static_cast<int64_t>(s), 1), &t.host[s * t.max_pages],
+                          t.max_pages * sizeof(int32_t)));
+      t.dirty[s] = false;
+    }
+  return Status::ok();
+}
+
+void KvCache::detach(Sequence& seq) {
+  if (seq.cache_ != this) return;
+  for (size_t l = 0; l < seq.pages_.size(); ++l) {
+    for (size_t i = 0; i < seq.pages_[l].size(); ++i) {
+      drop_page(static_cast<int32_t>(l), seq.pages_[l][i]);
+      set_page(static_cast<int32_t>(l), seq.slot_, i, -1);
+    }
+    seq.pages_[l].clear();
+  }
+  if (seq.budget_) seq.budget_->release(seq.plan_.fixed());
+  free_slots_.push_back(seq.slot_);
+  seq.cache_ = nullptr;
+}
+
+Status KvCache::fork(const Sequence& seq, Sequence& copy) {
+  DSV4_TRY(attach(copy));
+  for (size_t r = 0; r < rings_.size(); ++r)
+    DSV4_TRY(be_.copy_rows(rings_[r].slice(seq.slot_ * window_, window_), rings_[r].slice(copy.slot_ * window_, window_)));
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    const int64_t rows = state_rows_[s];
+    DSV4_TRY(be_.copy_rows(states_kv_[s].slice(seq.slot_ * rows, rows), states_kv_[s].slice(copy.slot_ * rows, rows)));
+    DSV4_TRY(be_.copy_rows(states_score_[s].slice(seq.slot_ * rows, rows), states_score_[s].slice(copy.slot_ * rows, rows)));
+  }
+  for (size_t l = 0; l < seq.pages_.size(); ++l) {
+    copy.pages_[l] = seq.pages_[l];
+    for (size_t i = 0; i < copy.pages_[l].size(); ++i) {
+      ++pools_[tables_[l].pool]->refs[copy.pages_[l][i]];
+      set_page(static_cast<int32_t>(l), copy.slot_, i, copy.pages_[l][i]);
+    }
+  }
+  copy.position_ = seq.position_;
+  copy.mtp_position_ = seq.mtp_position_;
+  return Status::ok();
+}
+
+Result<SlotSnapshot> KvCache::snapshot(const Sequence& seq) {
+  SlotSnapshot snap;
+  snap.position = seq.position_;
+  snap.mtp_position = seq.mtp_position_;
+  for (const Tensor& r : rings_) {
+    std::vector<float> host(static_cast<size_t>(window_ * r.cols()));
+    DSV4_TRY(be_.download(r.slice(seq.slot_ * window_, window_), host.data(), host.size() * sizeof(float)));
+    snap.rings.push_back(std::move(host));
+  }
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    const int64_t rows = state_rows_[s], n = rows * states_kv_[s].cols();
+    std::vector<float> host(static_cast<size_t>(2 * n));
+    DSV4_TRY(be_.download(states_kv_[s].slice(seq.slot_ * rows, rows), host.data(), n * sizeof(float)));
+    DSV4_TRY(be_.download(states_score_[s].slice(seq.slot_ * rows, rows), host.data() + n, n * sizeof(float)));
+    snap.states.push_back(std::move(host));
+  }
+  return snap;
+}
+
+Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
+  if (snap.position > seq.position_ || snap.rings.size() != rings_.size() || snap.states.size() != states_kv_.size())
+    return Status::errorf("cache restore: snapshot at position {} does not fit a sequence at position {}",
+                          snap.position, seq.position_);
+  for (size_t r = 0; r < rings_.size(); ++r)
+    DSV4_TRY(be_.upload(rings_[r].slice(seq.slot_ * window_, window_), snap.rings[r].data(),
+                        snap.rings[r].size() * sizeof(float)));
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    const int64_t rows = state_rows_[s], n = rows * states_kv_[s].cols();
+    DSV4_TRY(be_.upload(states_kv_[s].slice(seq.slot_ * rows, rows), snap.states[s].data(), n * sizeof(float)));
+    DSV4_TRY(be_.upload(states_score_[s].slice(seq.slot_ * rows, rows), snap.states[s].data() + n, n * sizeof(float)));
+  }
+  for (size_t l = 0; l < seq.pages_.size(); ++l) {
+    const int32_t list = static_cast<int32_t>(l);
+    const size_t keep = static_cast<size_t>(ceil_div(rows_at(list, snap.position), pools_[tables_[l].pool]->page_rows));
+    std::vector<int32_t>& pages = seq.pages_[l];
+    for (size_t i = keep; i < pages.size(); ++i) {
+      drop_page(list, pages[i]);
+      set_page(list, seq.slot_, i, -1);
+    }
+    if (pages.size() > keep) pages.resize(keep);
+  }
+  seq.position_ = snap.position;
+  seq.mtp_position_ = snap.mtp_position;
+  return Status::ok();
+}
+
+}  // namespace dsv4

@@ -1,0 +1,114 @@
+// The cache manager: owns every sequence's decode state for one model on one backend and
+// hands the forward pass views of it (backend.h's SlotRows, PagedRows).
+//
+//   rings    one per block: [slots * window, head_dim], slot s's window at rows s*window..
+//   states   one per compressor (ModelPlan::states): kv and score [slots * rows, cols]
+//   lists    one per growing list (ModelPlan::lists): rows in pages of `page_rows` rows
+//            from a pool shared by every list of the same width; per list a page table
+//            I32 [slots, max_pages] (-1 = no page) mirrored on the host.
+//
+// Pages are committed when a step is about to write their first row (prepare()), charged to
+// the budget of the sequence that allocates them, and freed when the last sequence that
+// references them lets go. fork() shares pages; a step that would write into a shared page
+// copies it first (copy on write), so forks and snapshots never see each other's rows.
+// All bookkeeping is on the host, before a step; the step itself only reads the page tables
+// on the device. Not thread-safe: one caller (the model's step) at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/cache.h"
+#include "model/layer_plan.h"
+#include "util/status.h"
+
+namespace dsv4 {
+
+struct KvCacheOptions {
+  uint32_t max_sequences = 64;  // slots
+  uint32_t page_rows = 64;      // rows per page
+  // Physical bytes for pages; 0: every slot at the full context (reserved, so the CPU
+  // backend commits pages only when written; a device backend should be given a budget).
+  uint64_t pool_bytes = 0;
+  uint64_t max_context = 0;     // longest sequence (sizes the page tables); 0: the model's
+};
+
+// The mutable parts of one sequence at one position (SequenceSnapshot in model.h).
+struct SlotSnapshot {
+  int64_t position = 0;
+  int64_t mtp_position = 0;
+  std::vector<std::vector<float>> rings;   // per ring: window * head_dim
+  std::vector<std::vector<float>> states;  // per state: kv then score
+};
+
+class KvCache {
+ public:
+  static Result<std::unique_ptr<KvCache>> create(const ModelConfig& config, const ModelPlan& plan,
+                                                 backend::Backend& backend, const KvCacheOptions& options);
+  ~KvCache();
+
+  const KvCacheOptions& options() const { return options_; }
+  uint64_t max_context() const { return max_context_; }
+  uint32_t free_slots() const { return static_cast<uint32_t>(free_slots_.size()); }
+  uint64_t free_pages(uint32_t width) const;
+  uint64_t fixed_bytes_per_slot() const { return fixed_bytes_; }
+
+  // Views for a step (valid for the cache's lifetime).
+  backend::SlotRows ring(int32_t id) const { return {rings_.at(id), window_}; }
+  backend::SlotRows state_kv(int32_t id) const { return {states_kv_.at(id), state_rows_.at(id)}; }
+  backend::SlotRows state_score(int32_t id) const { return {states_score_.at(id), state_rows_.at(id)}; }
+  backend::PagedRows list(int32_t id) const;
+
+  // A fresh slot for `seq` (empty compressor states, no pages).
+  Status attach(Sequence& seq);
+  // Pages for every row `seq` will have written at position `end` (exclusive), private
+  // copies of shared pages those rows land in, charged to seq's budget; on failure nothing
+  // changes. The page tables reach the device with sync().
+  Status prepare(Sequence& seq, int64_t end);
+  Status sync();
+  // Releases seq's pages and slot (the destructor of Sequence calls this).
+  void detach(Sequence& seq);
+
+  // `copy` gets its own slot with seq's rings and states and shares seq's pages.
+  Status fork(const Sequence& seq, Sequence& copy);
+  Result<SlotSnapshot> snapshot(const Sequence& seq);
+  // Rewinds seq to the snapshot: rings and states restored, rows past it released.
+  Status restore(Sequence& seq, const SlotSnapshot& snap);
+
+  uint64_t page_bytes(int32_t list) const;
+  uint64_t referenced_bytes(const Sequence& seq) const;
+
+ private:
+  KvCache(const ModelPlan& plan, backend::Backend& be);
+  struct Pool;
+  Result<int32_t> take_page(int32_t list, const std::shared_ptr<CacheBudget>& budget);
+  void drop_page(int32_t list, int32_t page);
+  int64_t rows_at(int32_t list, int64_t position) const;
+  void set_page(int32_t list, uint32_t slot, size_t index, int32_t page);
+  Status reset_states(uint32_t slot);
+
+  const ModelPlan& plan_;
+  backend::Backend& be_;
+  KvCacheOptions options_;
+  uint64_t max_context_ = 0;
+  int64_t window_ = 0;
+  uint64_t fixed_bytes_ = 0;
+  std::vector<backend::Tensor> rings_;
+  std::vector<backend::Tensor> states_kv_, states_score_;
+  std::vector<int64_t> state_rows_;
+  std::vector<uint32_t> free_slots_;
+
+  struct ListTable {
+    int32_t pool = 0;
+    int64_t max_pages = 0;
+    backend::Tensor device;       // I32 [slots, max_pages]
+    std::vector<int32_t> host;    // the same, on the host
+    std::vector<bool> dirty;      // per slot
+  };
+  std::vector<ListTable> tables_;
+  std::vector<std::unique_ptr<Pool>> pools_;
+};
+
+}  // namespace dsv4
