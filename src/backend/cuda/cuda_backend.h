@@ -1,0 +1,125 @@
+// The CUDA backend: every Backend operation on one Hopper GPU (sm_90a), all of a step's
+// work enqueued on one stream with no host synchronisation until a download. Weights are
+// uploaded once at load; caches and scratch live in device memory.
+//
+// Numerics (MatmulMode, backend.h):
+//   Exact      weights decoded exactly, fp32 activations and accumulation: the GPU test
+//              mode, per-row relative L2 against the CPU backend <= 1e-5.
+//   Quantized  the production path: 1-16 activation rows through the integer matvec
+//              kernels (matvec.h, Q8 activations), more rows through BF16 tensor-core GEMMs
+//              (gemm_prefill.h), routed experts through moe_experts.h. Every op's bound is
+//              in docs/CUDA.md.
+// Everything else (norms, mHC, RoPE, attention, compressors, indexer, routing) computes in
+// fp32 in both modes.
+//
+// Files: cuda_backend.cu (memory, steps, dense and token-wise ops), cuda_attention.cu
+// (attention, window ring, compressors, entries, indexer, top-k), cuda_moe.cu (routing,
+// experts). Kernels beside them; CPU references are the CpuBackend.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace dsv4::backend {
+
+struct CudaBackendOptions {
+  int device = 0;
+  // First scratch chunk; scratch grows by further chunks between steps when a step needed
+  // more (a graph capture needs the arena already grown: run the step once first).
+  size_t scratch_bytes = size_t{256} << 20;
+  // Called during weight upload with (bytes done, bytes total); empty: quiet.
+  std::function<void(uint64_t, uint64_t)> on_upload_progress;
+};
+
+struct DeviceMemory {
+  uint64_t free_bytes = 0;
+  uint64_t total_bytes = 0;
+  uint64_t weights_bytes = 0;  // uploaded by weight()
+  uint64_t cache_bytes = 0;    // alloc() + reserve() (caches, tables, small weights)
+  uint64_t scratch_bytes = 0;  // the step arena's chunks
+};
+
+class CudaBackend final : public Backend {
+ public:
+  static Result<std::unique_ptr<CudaBackend>> create(const CudaBackendOptions& options = {});
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda"; }
+  cudaStream_t stream() const;
+  DeviceMemory memory() const;
+  // Waits for everything enqueued so far (downloads do this themselves).
+  Status synchronize();
+
+  Result<Tensor> alloc(GgmlType type, std::span<const int64_t> shape) override;
+  Result<Tensor> reserve(GgmlType type, std::span<const int64_t> shape) override;
+  Result<Tensor> weight(const gguf::TensorInfo& info) override;
+  Status upload(const Tensor& dst, const void* host, size_t bytes) override;
+  Status download(const Tensor& src, void* host, size_t bytes) override;
+  Status copy_rows(const Tensor& src, const Tensor& dst) override;
+  Status fill(const Tensor& t, float value) override;
+  void begin_step() override;
+  Result<Tensor> scratch(GgmlType type, std::span<const int64_t> shape) override;
+
+  Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) override;
+  Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) override;
+  Status rms_norm(const Tensor& x, const Tensor* weight, float eps, int64_t width,
+                  const Tensor& y) override;
+  Status rope(const Tensor& x, int64_t head_dim, const Tensor& positions, const RopeParams& p,
+              bool inverse) override;
+  Status add(const Tensor& x, const Tensor& y) override;
+  Status scale(const Tensor& x, float factor) override;
+
+  Status hc_pre(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
+                const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps,
+                const Tensor& x, const Tensor& post, const Tensor& comb) override;
+  Status hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc,
+                 const Tensor& streams) override;
+  Status hc_head(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
+                 const Tensor& base, int n_hc, float hc_eps, float norm_eps,
+                 const Tensor& x) override;
+
+  // cuda_attention.cu
+  Status attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
+                   const Tensor& sink, float scale, const Tensor& out) override;
+  Status store_window(const Tensor& kv, const StepRows& rows, int64_t window,
+                      const SlotRows& ring) override;
+  Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
+                  const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
+                  const Tensor& pooled) override;
+  Status block_positions(const StepRows& rows, int ratio, const Tensor& out) override;
+  Status store_entries(const Tensor& pooled, int ratio, const StepRows& rows,
+                       const PagedRows& dst) override;
+  Status indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys, int ratio,
+                        const StepRows& rows, const Tensor& scores) override;
+  Status top_k(const Tensor& scores, int ratio, const StepRows& rows, int k,
+               const Tensor& idx) override;
+
+  Status hadamard(const Tensor& x, int64_t width) override;
+  Status round_fp8_blocks(const Tensor& x, int64_t cols, int64_t block) override;
+  Status round_fp4_blocks(const Tensor& x, int64_t block) override;
+
+  // cuda_moe.cu
+  Status route(const Tensor& logits, const Tensor* bias, const Tensor* tid2eid,
+               const Tensor& tokens, int k, float route_scale, const Tensor& experts,
+               const Tensor& weights) override;
+  Status moe_experts(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down,
+                     const Tensor& experts, const Tensor& weights, float limit, MatmulMode mode,
+                     const Tensor& y) override;
+  Status swiglu_expert(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down,
+                       float limit, MatmulMode mode, const Tensor& y) override;
+
+  struct Impl;  // stream, handles, arena, staging buffers, counters (cuda_backend_impl.cuh)
+
+ private:
+  explicit CudaBackend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsv4::backend
