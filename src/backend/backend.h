@@ -169,6 +169,16 @@ class Backend {
   // scratch() are valid until the next begin_step().
   virtual void begin_step() = 0;
   virtual Result<Tensor> scratch(GgmlType type, std::span<const int64_t> shape) = 0;
+  // Scratch handed out after scratch_mark() is given back by scratch_release(mark), in
+  // nested scopes (a block's intermediates), so a step needs its largest block's scratch,
+  // not the sum over blocks. Marks and releases in the same order give the same addresses
+  // (what graph replay relies on).
+  struct ScratchMark {
+    size_t chunk = 0;
+    size_t offset = 0;
+  };
+  virtual ScratchMark scratch_mark() const = 0;
+  virtual void scratch_release(ScratchMark mark) = 0;
 
   // --- dense operations (x, y are F32 [rows, cols] unless stated) --------------------------
   // y[s, o] = sum_i w[o, i] * x[s, i].
@@ -268,6 +278,29 @@ class Backend {
   virtual Status swiglu_expert(const Tensor& x, const Tensor& gate, const Tensor& up,
                                const Tensor& down, float limit, MatmulMode mode,
                                const Tensor& y) = 0;
+
+  // --- sampling (backend/sampling.h) -----------------------------------------------------
+  // One token per row of logits (F32 [n, V], modified in place by the adjustments).
+  // adjust (optional, I32 [m, kAdjustFields]): per (row, token) a repetition factor and a
+  // subtrahend, applied first; an entry whose row is -1 is unused. params I32 [n, kSampleFields]. Temperature 0: the arg-max
+  // (lowest id on ties). Otherwise z = x / T over the finite x, then top-k (exactly k
+  // candidates, equal z to the lower id), top-p (the shortest prefix in descending z whose
+  // softmax mass reaches p), min-p (softmax >= min_p * its maximum), and one draw from the
+  // renormalised softmax of the rest by the Gumbel-max rule with noise keyed by (seed,
+  // counter, token): a pure function of the logits and the key. out I32 [n].
+  virtual Status sample(const Tensor& logits, const Tensor& params, const Tensor* adjust,
+                        const Tensor& out) = 0;
+
+  // --- graphs (optional) -----------------------------------------------------------------
+  // A backend that can record the work enqueued between begin_capture() and
+  // end_capture(id) as graph `id` (replacing an older one of that id) and enqueue it again
+  // with replay(id). Recording runs the host code once; replays must see the same tensor
+  // addresses (persistent buffers for the inputs, the same scratch sequence) and no host
+  // data (uploads go before replay). Backends without graphs say so and run steps directly.
+  virtual bool supports_graphs() const { return false; }
+  virtual Status begin_capture() { return Status::error(StatusCode::kInternal, name() + ": no graphs"); }
+  virtual Status end_capture(int64_t /*id*/) { return Status::error(StatusCode::kInternal, name() + ": no graphs"); }
+  virtual Status replay(int64_t /*id*/) { return Status::error(StatusCode::kInternal, name() + ": no graphs"); }
 };
 
 }  // namespace dsv4::backend

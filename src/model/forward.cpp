@@ -73,6 +73,12 @@ Status ForwardPass::block(const LayerPlan& layer, const Tensor& streams, const S
   const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
   const int64_t d = c.hidden, n = step.rows.n;
+  // The block's intermediates go back to the scratch when it ends (streams persist).
+  struct Scope {
+    backend::Backend& be;
+    backend::Backend::ScratchMark mark;
+    ~Scope() { be.scratch_release(mark); }
+  } scope{be, be.scratch_mark()};
 
   DSV4_ASSIGN_OR_RETURN(HcMix attn_mix, hc_pre(bw.hc_attn, streams));
   DSV4_ASSIGN_OR_RETURN(Tensor attn_in, f32({n, d}));

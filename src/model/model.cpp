@@ -3,14 +3,60 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "gguf/gguf_file.h"
+#include "backend/sampling.h"
 #include "model/forward.h"
 #include "model/weights.h"
 
 namespace dsv4 {
 
 using backend::Tensor;
+
+namespace {
+
+// Single-token sampled steps run padded to these sizes (ModelOptions::graphs).
+constexpr int64_t kMaxBucketRows = 64;
+constexpr int64_t kAdjustPerBucketRow = 256;  // adjustments a bucketed step can carry per row
+
+int32_t f32_bits(float f) {
+  int32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// The parameter row and adjustments of one sampled row, in sampling.h's layout.
+void append_sample_spec(const SampleSpec& spec, int32_t row, std::vector<int32_t>& params, std::vector<int32_t>& adjust) {
+  params.insert(params.end(), {f32_bits(spec.temperature), f32_bits(spec.top_p), f32_bits(spec.min_p), spec.top_k,
+                               static_cast<int32_t>(spec.seed), static_cast<int32_t>(spec.seed >> 32),
+                               static_cast<int32_t>(spec.counter), static_cast<int32_t>(spec.counter >> 32)});
+  for (const LogitAdjustment& a : spec.adjust)
+    adjust.insert(adjust.end(), {row, a.token, f32_bits(a.repetition), f32_bits(a.subtract)});
+}
+
+Status validate_spec(const SampleSpec& s, uint32_t vocab, size_t item) {
+  if (!(s.temperature >= 0) || !std::isfinite(s.temperature) || !(s.top_p > 0 && s.top_p <= 1) ||
+      !(s.min_p >= 0 && s.min_p <= 1) || s.top_k < 0)
+    return Status::errorf("forward: batch item {}: sampling temperature {} top_p {} min_p {} top_k {} out of range",
+                          item, s.temperature, s.top_p, s.min_p, s.top_k);
+  for (const LogitAdjustment& a : s.adjust)
+    if (a.token < 0 || static_cast<uint32_t>(a.token) >= vocab || !std::isfinite(a.repetition) || a.repetition <= 0 ||
+        std::isnan(a.subtract))
+      return Status::errorf("forward: batch item {}: adjustment of token {} (repetition {}, subtract {}) out of range",
+                            item, a.token, a.repetition, a.subtract);
+  return Status::ok();
+}
+
+}  // namespace
+
+struct Model::DecodeBucket {
+  int64_t rows = 0;
+  Tensor tokens, positions, row_seq, seqs, params, adjust, sampled;
+  bool warmed = false;    // ran once directly (first-use uploads, scratch grown)
+  bool recorded = false;  // graph `rows` recorded
+};
 
 Model::~Model() {
   cache_.reset();  // before the weights and the backend's allocations it views
@@ -102,9 +148,18 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
       if (t < 0 || static_cast<uint32_t>(t) >= config_.vocab_size)
         return Status::errorf(StatusCode::kOutOfRange, "forward: batch item {}: token id {} outside the vocabulary of {}",
                               i, t, config_.vocab_size);
+    if (it.sample) DSV4_TRY(validate_spec(*it.sample, config_.vocab_size, i));
     items.push_back({it.sequence, static_cast<int64_t>(tokens.size()), n, it.sequence->position()});
     tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
   }
+  const bool bucketed =
+      !trace && static_cast<int64_t>(batch.size()) <= kMaxBucketRows &&
+      ((backend_->supports_graphs() && options_.graphs) || options_.decode_buckets) &&
+      std::all_of(batch.begin(), batch.end(), [](const BatchItem& it) {
+        return it.tokens.size() == 1 && it.sample && !it.all_logits && !it.keep_streams &&
+               static_cast<int64_t>(it.sample->adjust.size()) <= kAdjustPerBucketRow;
+      });
+  if (bucketed) return decode_step(batch, out);
   // Pages for the rows this step writes, before anything is computed.
   for (const StepItem& it : items) DSV4_TRY(cache_->prepare(*it.seq, it.pos0 + it.n));
   DSV4_TRY(cache_->sync());
@@ -116,17 +171,30 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
   if (trace) DSV4_TRY(trace->record("final_streams", streams));
   for (const StepItem& it : step.items) it.seq->position_ += it.n;
 
-  // Logits only for the rows asked for.
+  // Logits for the rows asked for and the rows that sample.
   const int64_t width = streams.cols();
-  std::vector<int32_t> wanted;
+  std::vector<int32_t> wanted;    // stream rows that get logits
+  std::vector<int32_t> returned;  // rows of `wanted` whose logits go back
+  std::vector<int32_t> sampled;   // rows of `wanted` that sample, in batch order
+  std::vector<int32_t> params, adjust;
   out.streams.clear();
+  out.tokens.assign(batch.size(), -1);
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepItem& it = step.items[i];
-    if (batch[i].all_logits)
-      for (int64_t j = 0; j < it.n; ++j) wanted.push_back(static_cast<int32_t>(it.row0 + j));
+    const BatchItem& bi = batch[i];
+    if (bi.all_logits)
+      for (int64_t j = 0; j < it.n; ++j) {
+        returned.push_back(static_cast<int32_t>(wanted.size()));
+        wanted.push_back(static_cast<int32_t>(it.row0 + j));
+      }
     else
       wanted.push_back(static_cast<int32_t>(it.row0 + it.n - 1));
-    if (batch[i].keep_streams) {
+    if (!bi.all_logits && !bi.sample) returned.push_back(static_cast<int32_t>(wanted.size() - 1));
+    if (bi.sample) {
+      append_sample_spec(*bi.sample, static_cast<int32_t>(sampled.size()), params, adjust);
+      sampled.push_back(static_cast<int32_t>(wanted.size() - 1));
+    }
+    if (bi.keep_streams) {
       const size_t at = out.streams.size();
       out.streams.resize(at + it.n * width);
       DSV4_TRY(backend_->download(streams.slice(it.row0, it.n), out.streams.data() + at, it.n * width * sizeof(float)));
@@ -138,9 +206,127 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
   DSV4_TRY(backend_->get_rows(streams, ids, picked));
   DSV4_ASSIGN_OR_RETURN(Tensor logits, fp.head(weights_->hc_head, weights_->output_norm,
                                                weights_->output, picked));
-  out.rows = n_out;
-  out.logits.resize(n_out * config_.vocab_size);
-  return backend_->download(logits, out.logits.data(), out.logits.size() * sizeof(float));
+  const int64_t vocab = config_.vocab_size;
+  if (!sampled.empty()) {
+    const int64_t m = static_cast<int64_t>(sampled.size());
+    DSV4_ASSIGN_OR_RETURN(Tensor rows, fp.upload_i32(sampled, {m}));
+    DSV4_ASSIGN_OR_RETURN(Tensor sub, fp.f32({m, vocab}));
+    DSV4_TRY(backend_->get_rows(logits, rows, sub));  // a copy: adjustments change it
+    DSV4_ASSIGN_OR_RETURN(Tensor params_t, fp.upload_i32(params, {m, backend::kSampleFields}));
+    Tensor adjust_t;
+    if (!adjust.empty()) {
+      DSV4_ASSIGN_OR_RETURN(adjust_t, fp.upload_i32(adjust, {static_cast<int64_t>(adjust.size()) / backend::kAdjustFields,
+                                                             backend::kAdjustFields}));
+    }
+    DSV4_ASSIGN_OR_RETURN(Tensor chosen, fp.i32({m}));
+    DSV4_TRY(backend_->sample(sub, params_t, adjust.empty() ? nullptr : &adjust_t, chosen));
+    std::vector<int32_t> host(m);
+    DSV4_TRY(backend_->download(chosen, host.data(), m * sizeof(int32_t)));
+    for (size_t i = 0, j = 0; i < batch.size(); ++i)
+      if (batch[i].sample) out.tokens[i] = host[j++];
+  }
+  out.rows = static_cast<int64_t>(returned.size());
+  out.logits.resize(out.rows * vocab);
+  if (out.rows == 0) return Status::ok();
+  if (out.rows == n_out) return backend_->download(logits, out.logits.data(), out.logits.size() * sizeof(float));
+  DSV4_ASSIGN_OR_RETURN(Tensor back_ids, fp.upload_i32(returned, {out.rows}));
+  DSV4_ASSIGN_OR_RETURN(Tensor back, fp.f32({out.rows, vocab}));
+  DSV4_TRY(backend_->get_rows(logits, back_ids, back));
+  return backend_->download(back, out.logits.data(), out.logits.size() * sizeof(float));
+}
+
+// A step of single-token sampled items, padded to a bucket: persistent inputs uploaded
+// first, then the compute (embedding through sampling) run directly the first time, recorded
+// as a graph the second and replayed from then on, where the backend records graphs.
+Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) const {
+  const int64_t n = static_cast<int64_t>(batch.size());
+  int64_t rows = 1;
+  while (rows < n) rows *= 2;
+  size_t index = 0;
+  while ((int64_t{1} << index) < rows) ++index;
+  if (buckets_.size() <= index) buckets_.resize(index + 1);
+  if (!buckets_[index]) {
+    auto b = std::make_unique<DecodeBucket>();
+    b->rows = rows;
+    backend::Backend& be = *backend_;
+    const auto i32 = [&](std::vector<int64_t> shape) { return be.alloc(GgmlType::I32, shape); };
+    DSV4_ASSIGN_OR_RETURN(b->tokens, i32({rows}));
+    DSV4_ASSIGN_OR_RETURN(b->positions, i32({rows}));
+    DSV4_ASSIGN_OR_RETURN(b->row_seq, i32({rows}));
+    DSV4_ASSIGN_OR_RETURN(b->seqs, i32({rows, backend::kSeqFields}));
+    DSV4_ASSIGN_OR_RETURN(b->params, i32({rows, backend::kSampleFields}));
+    DSV4_ASSIGN_OR_RETURN(b->adjust, i32({rows * kAdjustPerBucketRow, backend::kAdjustFields}));
+    DSV4_ASSIGN_OR_RETURN(b->sampled, i32({rows}));
+    buckets_[index] = std::move(b);
+  }
+  DecodeBucket& bucket = *buckets_[index];
+
+  // Real rows first, then padding rows (no sequence) and empty padding sequences.
+  std::vector<int32_t> tokens(rows, 0), positions(rows, 0), row_seq(rows, -1), seqs(rows * backend::kSeqFields, 0);
+  std::vector<int32_t> params, adjust;
+  for (int64_t i = 0; i < rows; ++i) {
+    int32_t* f = &seqs[i * backend::kSeqFields];
+    f[backend::kSeqSlot] = static_cast<int32_t>(batch[0].sequence->slot());
+    if (i >= n) {
+      append_sample_spec(SampleSpec{.temperature = 0}, static_cast<int32_t>(i), params, adjust);
+      continue;
+    }
+    const Sequence& seq = *batch[i].sequence;
+    tokens[i] = batch[i].tokens[0];
+    positions[i] = static_cast<int32_t>(seq.position());
+    row_seq[i] = static_cast<int32_t>(i);
+    f[backend::kSeqFirstRow] = static_cast<int32_t>(i);
+    f[backend::kSeqRows] = 1;
+    f[backend::kSeqFirstPos] = positions[i];
+    f[backend::kSeqSlot] = static_cast<int32_t>(seq.slot());
+    append_sample_spec(*batch[i].sample, static_cast<int32_t>(i), params, adjust);
+  }
+  const size_t used = adjust.size();
+  adjust.resize(static_cast<size_t>(rows * kAdjustPerBucketRow * backend::kAdjustFields), 0);
+  for (size_t a = used; a < adjust.size(); a += backend::kAdjustFields) adjust[a] = -1;  // unused: skipped
+  for (const BatchItem& it : batch) DSV4_TRY(cache_->prepare(*it.sequence, it.sequence->position() + 1));
+  DSV4_TRY(cache_->sync());
+  backend::Backend& be = *backend_;
+  DSV4_TRY(be.upload(bucket.tokens, tokens.data(), tokens.size() * sizeof(int32_t)));
+  DSV4_TRY(be.upload(bucket.positions, positions.data(), positions.size() * sizeof(int32_t)));
+  DSV4_TRY(be.upload(bucket.row_seq, row_seq.data(), row_seq.size() * sizeof(int32_t)));
+  DSV4_TRY(be.upload(bucket.seqs, seqs.data(), seqs.size() * sizeof(int32_t)));
+  DSV4_TRY(be.upload(bucket.params, params.data(), params.size() * sizeof(int32_t)));
+  DSV4_TRY(be.upload(bucket.adjust, adjust.data(), adjust.size() * sizeof(int32_t)));
+
+  const ForwardPass fp{config_, plan_, *weights_, options_, be, *cache_, nullptr};
+  Step step;
+  step.rows = {rows, rows, bucket.tokens, bucket.positions, bucket.row_seq, bucket.seqs,
+               static_cast<int64_t>(cache_->max_context())};
+  const auto compute = [&]() -> Status {
+    be.begin_step();
+    DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.embed(weights_->token_embd, step));
+    for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block(plan_.layers[b], streams, step));
+    DSV4_ASSIGN_OR_RETURN(Tensor logits, fp.head(weights_->hc_head, weights_->output_norm, weights_->output, streams));
+    return be.sample(logits, bucket.params, &bucket.adjust, bucket.sampled);
+  };
+  if (!(be.supports_graphs() && options_.graphs) || !bucket.warmed) {
+    DSV4_TRY(compute());
+    bucket.warmed = true;
+  } else {
+    if (!bucket.recorded) {
+      DSV4_TRY(be.begin_capture());
+      const Status recorded = compute();
+      const Status ended = be.end_capture(rows);
+      DSV4_TRY(recorded);
+      DSV4_TRY(ended);
+      bucket.recorded = true;
+    }
+    DSV4_TRY(be.replay(rows));
+  }
+  std::vector<int32_t> chosen(rows);
+  DSV4_TRY(be.download(bucket.sampled, chosen.data(), chosen.size() * sizeof(int32_t)));
+  out.tokens.assign(chosen.begin(), chosen.begin() + n);
+  out.rows = 0;
+  out.logits.clear();
+  out.streams.clear();
+  for (const BatchItem& it : batch) it.sequence->position_ += 1;
+  return Status::ok();
 }
 
 Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace) const {

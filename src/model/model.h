@@ -42,6 +42,33 @@ struct ModelOptions {
   backend::MatmulMode matmul = backend::MatmulMode::Exact;
   // The cache manager: sequence slots, page size, physical bytes for pages.
   KvCacheOptions cache;
+  // Steps whose items each add one token and sample it on the backend run padded to a
+  // bucket of 1, 2, 4, ... 64 rows, recorded once per bucket as a graph and replayed where
+  // the backend records graphs (a decode step is then one launch); `graphs` false runs
+  // them directly. `decode_buckets` forces the padded path on backends without graphs
+  // (tests: the padding must not change any token).
+  bool graphs = true;
+  bool decode_buckets = false;
+};
+
+// A token adjustment before sampling (penalties, logit bias): x = x > 0 ? x / repetition :
+// x * repetition, then x -= subtract.
+struct LogitAdjustment {
+  int32_t token = 0;
+  float repetition = 1.0f;
+  float subtract = 0.0f;
+};
+
+// Sampling on the backend (Backend::sample): temperature 0 is greedy; the draw is a pure
+// function of the logits, the seed and the counter (e.g. the token's position).
+struct SampleSpec {
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  int32_t top_k = 0;
+  uint64_t seed = 0;
+  uint64_t counter = 0;
+  std::vector<LogitAdjustment> adjust;  // distinct tokens
 };
 
 // The mutable parts of a sequence at one position (window rings, compressor states,
@@ -61,12 +88,18 @@ struct BatchItem {
   std::span<const int32_t> tokens;  // appended at sequence->position()
   bool all_logits = false;          // logits for every token; else only for the last
   bool keep_streams = false;        // return the final hyper-connection streams (for MTP)
+  // Sample the token after the item's last one on the backend; its logits are then not
+  // returned (unless all_logits).
+  const SampleSpec* sample = nullptr;
 };
 
 struct ForwardOutput {
-  // Rows in batch order: every token of an all_logits item, else its last token.
+  // Rows in batch order: every token of an all_logits item, else its last token unless
+  // the item samples.
   std::vector<float> logits;  // [rows, vocab]
   int64_t rows = 0;
+  // One per batch item: the sampled token, or -1 for an item without a SampleSpec.
+  std::vector<int32_t> tokens;
   // For keep_streams items, every token, in batch order: [tokens, hc_mult * hidden].
   std::vector<float> streams;
 };
@@ -131,6 +164,9 @@ class Model {
   backend::Backend* backend_ = nullptr;
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<KvCache> cache_;
+  struct DecodeBucket;  // persistent inputs and graph state of one bucket size
+  mutable std::vector<std::unique_ptr<DecodeBucket>> buckets_;
+  Status decode_step(std::span<const BatchItem> batch, ForwardOutput& out) const;
 };
 
 }  // namespace dsv4

@@ -393,6 +393,14 @@ TEST_F(CpuStepOps, ScratchIsReusedPerStepAndPoisonable) {
   Tensor ids = be_.scratch(GgmlType::I32, std::vector<int64_t>{4}).value();
   ASSERT_TRUE(be_.fill(ids, -1).is_ok());
   EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
+
+  // A released scope hands the same memory out again; what was before it stays.
+  const auto mark = be_.scratch_mark();
+  Tensor inner = be_.scratch(GgmlType::F32, std::vector<int64_t>{7}).value();
+  be_.scratch_release(mark);
+  Tensor again = be_.scratch(GgmlType::F32, std::vector<int64_t>{7}).value();
+  EXPECT_EQ(inner.data, again.data);
+  EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
 }
 
 }  // namespace

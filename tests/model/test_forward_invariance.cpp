@@ -239,5 +239,72 @@ TEST_F(ForwardInvariance, SharedBudgetCommitsPagesAsWritten) {
   EXPECT_EQ(budget->used(), plan->fixed());  // b's fixed part only
 }
 
+// Sampling on the backend: a greedy token is the arg-max of the same step's logits; the
+// padded single-token steps (decode buckets, graphs on a GPU) give exactly the tokens of
+// unpadded steps, greedy and sampled, for 3 sequences (a bucket of 4) over 12 steps.
+TEST_F(ForwardInvariance, SampledStepsEqualTheirLogitsAndBucketsChangeNothing) {
+  const auto run = [&](bool buckets, bool greedy) {
+    backend::CpuBackend cpu(2);
+    ModelOptions mo;
+    mo.decode_buckets = buckets;
+    auto m = Model::load(path_, cpu, mo);
+    EXPECT_TRUE(m.is_ok()) << m.status().message();
+    SequenceOptions so;
+    so.max_context = 128;
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    std::vector<int32_t> last;
+    for (int s = 0; s < 3; ++s) {
+      seqs.push_back(std::move((*m)->new_sequence(so)).value());
+      const auto t = tokens(5 + 7 * s, 40 + s);
+      EXPECT_TRUE((*m)->prefill(*seqs.back(), t).is_ok());
+      last.push_back(t.back());
+    }
+    std::vector<int32_t> out;
+    for (int step = 0; step < 12; ++step) {
+      std::vector<SampleSpec> specs(3);
+      std::vector<BatchItem> batch;
+      for (int s = 0; s < 3; ++s) {
+        specs[s].temperature = greedy ? 0.0f : 0.8f;
+        specs[s].top_k = s == 1 ? 40 : 0;
+        specs[s].seed = 100 + s;
+        specs[s].counter = static_cast<uint64_t>(seqs[s]->position());
+        specs[s].adjust = {{last[s], 1.3f, 0.5f}};
+        batch.push_back({seqs[s].get(), std::span<const int32_t>(&last[s], 1), false, false, &specs[s]});
+      }
+      ForwardOutput fo;
+      const Status st = (*m)->forward(batch, fo);
+      EXPECT_TRUE(st.is_ok()) << st.message();
+      if (!st.is_ok()) return out;
+      EXPECT_EQ(fo.rows, 0);
+      for (int s = 0; s < 3; ++s) {
+        EXPECT_GE(fo.tokens[s], 0);
+        last[s] = fo.tokens[s];
+        out.push_back(fo.tokens[s]);
+      }
+    }
+    return out;
+  };
+  for (bool greedy : {true, false}) {
+    const auto plain = run(false, greedy), padded = run(true, greedy);
+    ASSERT_EQ(plain.size(), 36u);
+    EXPECT_EQ(padded, plain) << (greedy ? "greedy" : "sampled");
+  }
+
+  // Greedy with no adjustment: the arg-max of the logits the same step returns.
+  auto seq = sequence();
+  const auto t = tokens(9, 50);
+  ASSERT_TRUE(model_->prefill(*seq, std::span<const int32_t>(t.data(), 8)).is_ok());
+  auto twin = model_->fork(*seq);
+  ASSERT_TRUE(twin.is_ok());
+  SampleSpec greedy;
+  greedy.temperature = 0;
+  const BatchItem sampled{seq.get(), std::span<const int32_t>(&t[8], 1), false, false, &greedy};
+  ForwardOutput a;
+  ASSERT_TRUE(model_->forward(std::span<const BatchItem>(&sampled, 1), a).is_ok());
+  const auto logits = model_->decode(**twin, t[8]);
+  ASSERT_TRUE(logits.is_ok());
+  EXPECT_EQ(a.tokens[0], std::max_element(logits->begin(), logits->end()) - logits->begin());
+}
+
 }  // namespace
 }  // namespace dsv4

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_math.h"
+#include "backend/sampling.h"
 #include "gguf/gguf_file.h"
 #include "gguf/quant.h"
 
@@ -206,8 +207,13 @@ void CpuBackend::begin_step() {
     void* p = ::operator new(total, std::align_val_t(64));
     chunks_.push_back({std::shared_ptr<void>(p, Deleter{total, false}), total});
   }
+  chunk_ = 0;
   chunk_used_ = 0;
-  step_bytes_ = 0;
+}
+
+void CpuBackend::scratch_release(ScratchMark mark) {
+  chunk_ = mark.chunk;
+  chunk_used_ = mark.offset;
 }
 
 Result<Tensor> CpuBackend::scratch(GgmlType type, std::span<const int64_t> shape) {
@@ -216,15 +222,19 @@ Result<Tensor> CpuBackend::scratch(GgmlType type, std::span<const int64_t> shape
                                                   : ggml_row_bytes(type, t.shape[0]).value_or(0));
   if (shape.empty() || n == 0) return Status::errorf("cpu scratch: empty shape {}", t.describe());
   const size_t need = (n + 63) / 64 * 64;
-  if (chunks_.empty() || chunk_used_ + need > chunks_.back().bytes) {
+  // The current chunk, else the next one that holds it, else a new one.
+  while (chunk_ < chunks_.size() && chunk_used_ + need > chunks_[chunk_].bytes) {
+    ++chunk_;
+    chunk_used_ = 0;
+  }
+  if (chunk_ == chunks_.size()) {
     const size_t bytes = std::max<size_t>(need, size_t{16} << 20);
     void* p = ::operator new(bytes, std::align_val_t(64));
     chunks_.push_back({std::shared_ptr<void>(p, Deleter{bytes, false}), bytes});
     chunk_used_ = 0;
   }
-  t.data = static_cast<uint8_t*>(chunks_.back().memory.get()) + chunk_used_;
+  t.data = static_cast<uint8_t*>(chunks_[chunk_].memory.get()) + chunk_used_;
   chunk_used_ += need;
-  step_bytes_ += need;
   t.backend = this;
   if (poison_scratch_) {
     if (type == GgmlType::F32) std::fill_n(static_cast<float*>(t.data), n / sizeof(float), std::numeric_limits<float>::quiet_NaN());
@@ -757,6 +767,86 @@ Status CpuBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Tens
   for (int64_t s = 0; s < n; ++s) cpu::swiglu(f32_row(g, s), f32_row(u, s), inter, limit, 1.0f, f32_row(g, s));
   DSV4_TRY(matmul(down, g, o, mode));
   return add(o, y);
+}
+
+// ---- sampling ---------------------------------------------------------------------------
+
+Status CpuBackend::sample(const Tensor& logits, const Tensor& params, const Tensor* adjust, const Tensor& out) {
+  const int64_t n = logits.rows(), vocab = logits.cols();
+  DSV4_TRY(expect(logits, "sample", "logits", GgmlType::F32, n, vocab));
+  DSV4_TRY(expect(params, "sample", "params", GgmlType::I32, n, kSampleFields));
+  if (out.type != GgmlType::I32 || out.n_elements() < n || !out.contiguous())
+    return Status::errorf("sample: out {} for {} rows", out.describe(), n);
+  if (adjust) {
+    DSV4_TRY(expect(*adjust, "sample", "adjust", GgmlType::I32, -1, kAdjustFields));
+    for (int64_t a = 0; a < adjust->rows(); ++a) {
+      const int32_t* f = i32_row(*adjust, a);
+      if (f[kAdjustRow] == -1) continue;  // an unused entry of a fixed-capacity tensor
+      if (f[kAdjustRow] < 0 || f[kAdjustRow] >= n || f[kAdjustToken] < 0 || f[kAdjustToken] >= vocab)
+        return Status::errorf("sample: adjustment {} names row {} token {} of [{}, {}]", a, f[kAdjustRow],
+                              f[kAdjustToken], n, vocab);
+      float& x = f32_row(logits, f[kAdjustRow])[f[kAdjustToken]];
+      const float rep = f32_field(f, kAdjustRepetition);
+      if (rep != 1.0f) x = x > 0 ? x / rep : x * rep;
+      x -= f32_field(f, kAdjustSubtract);
+    }
+  }
+  int32_t* tokens = static_cast<int32_t*>(out.data);
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    std::vector<uint64_t> keys;
+    std::vector<float> z(vocab);
+    for (int64_t r = b; r < e; ++r) {
+      const float* x = f32_row(logits, r);
+      const int32_t* p = i32_row(params, r);
+      const float temperature = f32_field(p, kSampleTemperature), top_p = f32_field(p, kSampleTopP);
+      const float min_p = f32_field(p, kSampleMinP);
+      const int32_t top_k = p[kSampleTopK];
+      int32_t best = 0;  // the arg-max, lowest id on ties; NaN never wins
+      for (int64_t i = 1; i < vocab; ++i)
+        if (x[i] > x[best] || (std::isnan(x[best]) && !std::isnan(x[i]))) best = static_cast<int32_t>(i);
+      tokens[r] = best;
+      if (temperature == 0.0f || !std::isfinite(x[best])) continue;
+      keys.clear();
+      for (int64_t i = 0; i < vocab; ++i)
+        if (std::isfinite(x[i])) {
+          z[i] = x[i] / temperature;
+          keys.push_back(candidate_key(z[i], static_cast<uint32_t>(i)));
+        }
+      const auto id_of = [](uint64_t key) { return static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(key)); };
+      std::sort(keys.begin(), keys.end(), std::greater<>());  // best first
+      size_t keep = keys.size();
+      if (top_k > 0) keep = std::min<size_t>(keep, static_cast<size_t>(top_k));
+      const double z_max = z[id_of(keys[0])];
+      if (top_p < 1.0f) {  // the shortest prefix whose weight reaches top_p of the total
+        uint64_t total = 0, acc = 0;
+        for (size_t j = 0; j < keep; ++j) total += fixed_weight(double(z[id_of(keys[j])]) - z_max);
+        const uint64_t target = top_p_target(top_p, total);
+        for (size_t j = 0; j < keep; ++j) {
+          acc += fixed_weight(double(z[id_of(keys[j])]) - z_max);
+          if (acc >= target) {
+            keep = j + 1;
+            break;
+          }
+        }
+      }
+      if (min_p > 0.0f) {
+        size_t m = 1;
+        while (m < keep && std::exp(double(z[id_of(keys[m])]) - z_max) >= double(min_p)) ++m;
+        keep = m;
+      }
+      const uint64_t seed = u64_fields(p, kSampleSeedLo), counter = u64_fields(p, kSampleCounterLo);
+      double best_score = -INFINITY;
+      for (size_t j = 0; j < keep; ++j) {
+        const int64_t id = id_of(keys[j]);
+        const double score = double(z[id]) + gumbel(seed, counter, static_cast<uint32_t>(id));
+        if (score > best_score || (score == best_score && id < tokens[r])) {
+          best_score = score;
+          tokens[r] = static_cast<int32_t>(id);
+        }
+      }
+    }
+  });
+  return Status::ok();
 }
 
 }  // namespace dsv4::backend

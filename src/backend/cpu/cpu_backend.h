@@ -31,6 +31,8 @@ class CpuBackend final : public Backend {
   Status fill(const Tensor& t, float value) override;
   void begin_step() override;
   Result<Tensor> scratch(GgmlType type, std::span<const int64_t> shape) override;
+  ScratchMark scratch_mark() const override { return {chunk_, chunk_used_}; }
+  void scratch_release(ScratchMark mark) override;
 
   Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) override;
   Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) override;
@@ -77,13 +79,17 @@ class CpuBackend final : public Backend {
   Status swiglu_expert(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down,
                        float limit, MatmulMode mode, const Tensor& y) override;
 
+  Status sample(const Tensor& logits, const Tensor& params, const Tensor* adjust,
+                const Tensor& out) override;
+
  private:
-  // Step scratch: bump allocation in 64-byte aligned chunks; begin_step() rewinds, and
-  // replaces several chunks by one of their total size so a steady state uses one.
+  // Step scratch: bump allocation in 64-byte aligned chunks, the current one chunks_[chunk_];
+  // begin_step() rewinds, and replaces several chunks by one of their total size so a
+  // steady state uses one.
   struct Chunk { std::shared_ptr<void> memory; size_t bytes = 0; };
   std::vector<Chunk> chunks_;
-  size_t chunk_used_ = 0;   // bytes used in the last chunk
-  size_t step_bytes_ = 0;   // bytes handed out since begin_step()
+  size_t chunk_ = 0;        // current chunk
+  size_t chunk_used_ = 0;   // bytes used in it
   bool poison_scratch_ = false;
   std::unique_ptr<ThreadPool> pool_;
 };

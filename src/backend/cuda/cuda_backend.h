@@ -66,6 +66,8 @@ class CudaBackend final : public Backend {
   Status fill(const Tensor& t, float value) override;
   void begin_step() override;
   Result<Tensor> scratch(GgmlType type, std::span<const int64_t> shape) override;
+  ScratchMark scratch_mark() const override;
+  void scratch_release(ScratchMark mark) override;
 
   Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) override;
   Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) override;
@@ -114,6 +116,16 @@ class CudaBackend final : public Backend {
                      const Tensor& y) override;
   Status swiglu_expert(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down,
                        float limit, MatmulMode mode, const Tensor& y) override;
+
+  // cuda_sample.cu
+  Status sample(const Tensor& logits, const Tensor& params, const Tensor* adjust,
+                const Tensor& out) override;
+
+  // cuda_graph.cu: decode steps recorded once per batch bucket and replayed.
+  bool supports_graphs() const override { return true; }
+  Status begin_capture() override;
+  Status end_capture(int64_t id) override;
+  Status replay(int64_t id) override;
 
   struct Impl;  // stream, handles, arena, staging buffers, counters (cuda_backend_impl.cuh)
 

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
@@ -38,6 +39,10 @@ struct CudaBackend::Impl {
 
   uint64_t weights_bytes = 0;
   uint64_t cache_bytes = 0;
+
+  // Recorded steps by id (cuda_graph.cu); destroyed with the backend.
+  std::map<int64_t, cudaGraphExec_t> graphs;
+  bool capturing = false;
 
   // Raw scratch bytes for an op's internal workspace, valid until the next begin_step().
   Result<void*> scratch_bytes(size_t bytes);
