@@ -23,6 +23,8 @@ for f in build-fuzz/fuzz/fuzz_*; do
 done
 echo "== tests (release)"
 (cd build && ctest --output-on-failure -j "$(nproc)")
+echo "== llama.cpp interoperability (llama-cpp-python 0.3.36's llama.cpp, built once and cached)"
+./tests/llamacpp/run.sh build/dsv4
 echo "== tests (AddressSanitizer + UBSan)"
 ./scripts/build.sh asan
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j "$(nproc)" -LE "slow")
