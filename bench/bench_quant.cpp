@@ -19,9 +19,12 @@ using dsv4::GgmlType;
 
 constexpr int64_t kRow = 4096;
 
-const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
-                           GgmlType::Q6_K, GgmlType::Q5_K, GgmlType::Q4_K, GgmlType::Q3_K,
-                           GgmlType::Q2_K, GgmlType::IQ2_XXS, GgmlType::MXFP4};
+const GgmlType kTypes[] = {GgmlType::F32,    GgmlType::F16,    GgmlType::BF16,   GgmlType::Q8_0,
+                           GgmlType::Q6_K,   GgmlType::Q5_K,   GgmlType::Q4_K,   GgmlType::Q3_K,
+                           GgmlType::Q2_K,   GgmlType::IQ2_XXS, GgmlType::MXFP4,  GgmlType::Q5_1,
+                           GgmlType::Q5_0,   GgmlType::Q4_1,   GgmlType::Q4_0,   GgmlType::IQ4_NL,
+                           GgmlType::IQ4_XS, GgmlType::IQ3_S,  GgmlType::IQ3_XXS, GgmlType::IQ2_S,
+                           GgmlType::IQ2_XS, GgmlType::IQ1_M,  GgmlType::IQ1_S};
 
 std::vector<float> random_values(int64_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -31,8 +34,8 @@ std::vector<float> random_values(int64_t n, uint64_t seed) {
   return v;
 }
 
-// A realistic row: random normal weights quantised by dsv4 (IQ2_XXS, which has no quantiser,
-// gets random bytes with a sane scale).
+// A realistic row: random normal weights quantised by dsv4 (the types without a quantiser get
+// random bytes with a sane fp16 scale in the block's first field; IQ1_M's scale stays random).
 std::vector<uint8_t> weight_row(GgmlType type) {
   std::vector<uint8_t> row(*dsv4::ggml_row_bytes(type, kRow));
   if (dsv4::can_quantize(type)) {
@@ -41,7 +44,9 @@ std::vector<uint8_t> weight_row(GgmlType type) {
   } else {
     std::mt19937_64 rng(2);
     for (auto& b : row) b = static_cast<uint8_t>(rng());
-    for (size_t off = 0; off < row.size(); off += 66) row[off] = 0x00, row[off + 1] = 0x20;  // d = 2^-7
+    const size_t block = dsv4::ggml_traits(type).block_bytes;
+    if (type != GgmlType::IQ1_M)
+      for (size_t off = 0; off < row.size(); off += block) row[off] = 0x00, row[off + 1] = 0x20;  // d = 2^-7
   }
   return row;
 }

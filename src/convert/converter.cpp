@@ -276,58 +276,88 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
     return Status::error(std::move(msg));
   }
 
-  gguf::WriterOptions wopts;
-  wopts.split_max_bytes = options.split_max_bytes;
-  wopts.overwrite = options.force;
-  gguf::GgufWriter writer(out_path, wopts);
-  config.model.write_gguf_metadata(writer);
-  writer.set("general.file_type", gguf::Value::u32(llama_file_type(plan.recipe)));
-  writer.set("general.quantization_version", gguf::Value::u32(2));
-  writer.set("dsv4.convert.recipe", gguf::Value::string(plan.recipe.name));
+  // The files to write: (path, metadata part, [(plan index, name in that file)]).
+  struct OutputFile {
+    std::string path;
+    GgufPart part;
+    std::vector<std::pair<size_t, std::string>> tensors;
+  };
+  std::vector<OutputFile> files;
+  const ModelConfig& model = config.model;
+  if (options.layout == WriteLayout::Bundled || model.n_mtp == 0) {
+    files.push_back({out_path, model.n_mtp == 0 ? GgufPart::Trunk : GgufPart::Bundled, {}});
+    for (size_t i = 0; i < plan.tensors.size(); ++i) files[0].tensors.emplace_back(i, plan.tensors[i].spec.name);
+  } else {
+    files.push_back({out_path, GgufPart::Trunk, {}});
+    files.push_back({sidecar_path_for(out_path), GgufPart::MtpSidecar, {}});
+    if (!options.force && std::filesystem::exists(files[1].path))
+      return Status::errorf("{}: output file exists (use --force to replace it)", files[1].path);
+    for (size_t i = 0; i < plan.tensors.size(); ++i) {
+      const Placement p = place_tensor(plan.tensors[i].spec, model);
+      if (p.in_trunk) files[0].tensors.emplace_back(i, plan.tensors[i].spec.name);
+      if (p.in_sidecar) files[1].tensors.emplace_back(i, p.sidecar_name);
+    }
+  }
+  std::string tokenizer_json;
   const auto tokenizer_path = options.checkpoint_dir / "tokenizer.json";
   if (std::filesystem::exists(tokenizer_path)) {
-    DSV4_ASSIGN_OR_RETURN(std::string json, read_file_text(tokenizer_path));
-    text::TokenizerJsonOptions topts;
-    topts.min_vocab_size = config.model.vocab_size;
-    DSV4_TRY(text::write_tokenizer_metadata(json, tokenizer_path.string(), writer, topts));
+    DSV4_ASSIGN_OR_RETURN(tokenizer_json, read_file_text(tokenizer_path));
     summary.tokenizer_written = true;
   }
-  for (const PlannedTensor& t : plan.tensors) DSV4_TRY(writer.add_tensor(t.spec.name, t.type, t.spec.ne));
-  DSV4_TRY(writer.begin());
 
   ThreadPool pool(options.threads);
   std::vector<std::vector<float>> scratch(pool.size());
   std::vector<uint8_t> chunk;
   ConvertProgress progress;
-  progress.tensors_total = plan.tensors.size();
-  progress.bytes_total = plan.total_bytes();
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    const PlannedTensor& t = plan.tensors[i];
-    const RowProducer& producer = producers[i];
-    progress.current = t.spec.name;
-    const uint64_t row_bytes = *ggml_row_bytes(t.type, producer.row_len());
-    const uint64_t work_bytes = std::max<uint64_t>(row_bytes, producer.row_len() * sizeof(float));
-    const uint64_t rows_per_chunk = std::max<uint64_t>(1, options.chunk_bytes / work_bytes);
-    for (uint64_t row0 = 0; row0 < producer.rows(); row0 += rows_per_chunk) {
-      const uint64_t n = std::min(rows_per_chunk, producer.rows() - row0);
-      chunk.resize(n * row_bytes);
-      pool.parallel_for(static_cast<int64_t>(n), [&](int64_t begin, int64_t end, int thread) {
-        std::vector<float>& buf = scratch[thread];
-        buf.resize(producer.row_len());
-        for (int64_t r = begin; r < end; ++r)
-          producer.write_row(row0 + r, t.type, chunk.data() + r * row_bytes, buf.data());
-      });
-      DSV4_TRY(writer.write_tensor_data(chunk));
-      producer.release(ckpt, row0, row0 + n);
-      if (options.cancel && options.cancel->load()) return Status::error(std::string(kInterrupted));
-      progress.bytes_done += chunk.size();
+  for (const OutputFile& f : files) {
+    progress.tensors_total += f.tensors.size();
+    for (const auto& [i, name] : f.tensors) progress.bytes_total += plan.tensors[i].nbytes;
+  }
+  for (const OutputFile& f : files) {
+    gguf::WriterOptions wopts;
+    wopts.split_max_bytes = f.part == GgufPart::MtpSidecar ? 0 : options.split_max_bytes;
+    wopts.overwrite = options.force;
+    gguf::GgufWriter writer(f.path, wopts);
+    model.write_gguf_metadata(writer, f.part);
+    writer.set("general.file_type", gguf::Value::u32(llama_file_type(plan.recipe)));
+    writer.set("general.quantization_version", gguf::Value::u32(2));
+    writer.set("dsv4.convert.recipe", gguf::Value::string(plan.recipe.name));
+    if (summary.tokenizer_written) {
+      text::TokenizerJsonOptions topts;
+      topts.min_vocab_size = model.vocab_size;
+      DSV4_TRY(text::write_tokenizer_metadata(tokenizer_json, tokenizer_path.string(), writer, topts));
+    }
+    for (const auto& [i, name] : f.tensors) DSV4_TRY(writer.add_tensor(name, plan.tensors[i].type, plan.tensors[i].spec.ne));
+    DSV4_TRY(writer.begin());
+
+    for (const auto& [i, name] : f.tensors) {
+      const PlannedTensor& t = plan.tensors[i];
+      const RowProducer& producer = producers[i];
+      progress.current = name;
+      const uint64_t row_bytes = *ggml_row_bytes(t.type, producer.row_len());
+      const uint64_t work_bytes = std::max<uint64_t>(row_bytes, producer.row_len() * sizeof(float));
+      const uint64_t rows_per_chunk = std::max<uint64_t>(1, options.chunk_bytes / work_bytes);
+      for (uint64_t row0 = 0; row0 < producer.rows(); row0 += rows_per_chunk) {
+        const uint64_t n = std::min(rows_per_chunk, producer.rows() - row0);
+        chunk.resize(n * row_bytes);
+        pool.parallel_for(static_cast<int64_t>(n), [&](int64_t begin, int64_t end, int thread) {
+          std::vector<float>& buf = scratch[thread];
+          buf.resize(producer.row_len());
+          for (int64_t r = begin; r < end; ++r)
+            producer.write_row(row0 + r, t.type, chunk.data() + r * row_bytes, buf.data());
+        });
+        DSV4_TRY(writer.write_tensor_data(chunk));
+        producer.release(ckpt, row0, row0 + n);
+        if (options.cancel && options.cancel->load()) return Status::error(std::string(kInterrupted));
+        progress.bytes_done += chunk.size();
+        if (options.on_progress) options.on_progress(progress);
+      }
+      ++progress.tensors_done;
       if (options.on_progress) options.on_progress(progress);
     }
-    ++progress.tensors_done;
-    if (options.on_progress) options.on_progress(progress);
+    DSV4_TRY(writer.finish());
+    for (const std::string& p : writer.output_paths()) summary.output_paths.push_back(p);
   }
-  DSV4_TRY(writer.finish());
-  summary.output_paths = writer.output_paths();
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   struct rusage usage {};
   if (getrusage(RUSAGE_SELF, &usage) == 0) summary.peak_rss_bytes = static_cast<uint64_t>(usage.ru_maxrss) * 1024;

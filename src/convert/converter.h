@@ -22,6 +22,7 @@
 #include "convert/name_map.h"
 #include "convert/recipe.h"
 #include "gguf/ggml_types.h"
+#include "model/model_files.h"
 #include "model/tensor_catalog.h"
 #include "util/status.h"
 
@@ -59,7 +60,10 @@ struct ConvertOptions {
   std::filesystem::path checkpoint_dir;
   std::filesystem::path output;
   Recipe recipe;
-  uint64_t split_max_bytes = 0;  // 0: one file
+  uint64_t split_max_bytes = 0;  // 0: one file (the trunk's; the sidecar is never split)
+  // llama.cpp's layout: the trunk at `output` and, with MTP, its sidecar "mtp-<name>" beside
+  // it; or one bundled file.
+  WriteLayout layout = WriteLayout::TrunkAndSidecar;
   int threads = 0;               // 0: all hardware threads
   bool force = false;            // replace an existing output
   uint64_t chunk_bytes = 64ull << 20;  // f32 working set per chunk of rows
@@ -75,7 +79,7 @@ inline constexpr std::string_view kInterrupted = "interrupted";
 
 struct ConvertSummary {
   ConversionPlan plan;
-  std::vector<std::string> output_paths;
+  std::vector<std::string> output_paths;  // the trunk's parts (or the bundled file's), then the sidecar
   bool tokenizer_written = false;
   double seconds = 0;
   std::map<GgmlType, uint64_t> tensors_by_type;

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "gguf/iq2xxs_tables.h"
+#include "gguf/iq_tables.h"
 #include "gguf/quant_decode.h"
 #include "gguf/quant_internal.h"
 #include "util/float_formats.h"
@@ -25,6 +26,7 @@ const Block* as_blocks(const void* p) {
 // Decodes block `b` of a row of `type` into `out` (block_elems floats). Plain types count
 // as blocks of one element.
 void decode_one_block(GgmlType type, const void* row, int64_t b, float* out) {
+  const quant::IqTables& iq = quant::host_iq_tables();
   switch (type) {
     case GgmlType::F32: std::memcpy(out, static_cast<const float*>(row) + b, sizeof(float)); return;
     case GgmlType::F16: *out = fp16_to_f32(static_cast<const uint16_t*>(row)[b]); return;
@@ -45,6 +47,18 @@ void decode_one_block(GgmlType type, const void* row, int64_t b, float* out) {
     case GgmlType::IQ2_XXS:
       decode_block(as_blocks<block_iq2_xxs>(row)[b], out, quant::kIq2xxsGrid, quant::kIq2xxsSigns);
       return;
+    case GgmlType::Q4_0: decode_block(as_blocks<block_q4_0>(row)[b], out, iq); return;
+    case GgmlType::Q4_1: decode_block(as_blocks<block_q4_1>(row)[b], out, iq); return;
+    case GgmlType::Q5_0: decode_block(as_blocks<block_q5_0>(row)[b], out, iq); return;
+    case GgmlType::Q5_1: decode_block(as_blocks<block_q5_1>(row)[b], out, iq); return;
+    case GgmlType::IQ4_NL: decode_block(as_blocks<block_iq4_nl>(row)[b], out, iq); return;
+    case GgmlType::IQ4_XS: decode_block(as_blocks<block_iq4_xs>(row)[b], out, iq); return;
+    case GgmlType::IQ2_XS: decode_block(as_blocks<block_iq2_xs>(row)[b], out, iq); return;
+    case GgmlType::IQ2_S: decode_block(as_blocks<block_iq2_s>(row)[b], out, iq); return;
+    case GgmlType::IQ3_XXS: decode_block(as_blocks<block_iq3_xxs>(row)[b], out, iq); return;
+    case GgmlType::IQ3_S: decode_block(as_blocks<block_iq3_s>(row)[b], out, iq); return;
+    case GgmlType::IQ1_S: decode_block(as_blocks<block_iq1_s>(row)[b], out, iq); return;
+    case GgmlType::IQ1_M: decode_block(as_blocks<block_iq1_m>(row)[b], out, iq); return;
     default: break;
   }
   // Unsupported types decode to NaN so a caller that skipped the `supported` check sees it.
@@ -98,6 +112,11 @@ void quantize_mxfp4(const float* x, block_mxfp4* y, int64_t nb) {
 }  // namespace
 
 namespace quant {
+
+const IqTables& host_iq_tables() {
+  static constexpr IqTables tables{kIq2xsGrid, kIq2sGrid, kIq3xxsGrid, kIq3sGrid, kIq1sGrid, kIq4nlValues, kIq2xxsSigns};
+  return tables;
+}
 
 float dot_row_f32_scalar(GgmlType type, const void* row, const float* x, int64_t n) {
   const int64_t elems = ggml_traits(type).block_elems;

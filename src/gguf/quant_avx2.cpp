@@ -183,6 +183,37 @@ template <typename Sink>
   }
 }
 
+// The i-quants added for published files (IQ4_XS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
+// IQ1_M): their portable level decoder (quant_decode.h) fills a stack buffer that is then
+// read 32 levels at a time; one definition of the levels for every path.
+template <typename Block, typename Sink>
+  requires requires(const Block& b, Levels256& v) { quant::levels(b, host_iq_tables(), v); }
+[[gnu::always_inline]] inline void levels(const Block& b, Sink&& sink) {
+  alignas(32) Levels256 v;
+  quant::levels(b, host_iq_tables(), v);
+  for (int c = 0; c < QK_K / 32; ++c)
+    sink(c, load32(reinterpret_cast<const uint8_t*>(v.q) + 32 * c), v.scale[2 * c], 0.0f, v.scale[2 * c + 1], 0.0f);
+}
+
+// The 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL): levels, one scale and offset.
+template <typename Block>
+  requires kLevels32<Block>
+[[gnu::always_inline]] inline __m256i levels32(const Block& b, float& scale, float& offset) {
+  alignas(32) Levels32 v;
+  quant::levels(b, host_iq_tables(), v);
+  scale = v.scale;
+  offset = v.offset;
+  return load32(reinterpret_cast<const uint8_t*>(v.q));
+}
+
+template <typename Block>
+  requires kLevels32<Block>
+[[gnu::always_inline]] inline void decode(const Block& b, float* out) {
+  float scale, offset;
+  const __m256i q = levels32(b, scale, offset);
+  emit32<true>(q, scale, offset, scale, offset, out);
+}
+
 template <typename Block>
 constexpr bool kHasOffset = std::is_same_v<Block, block_q2_K> || std::is_same_v<Block, block_q4_K> ||
                             std::is_same_v<Block, block_q5_K>;
@@ -200,6 +231,13 @@ void decode(const block_q4_K& b, float* out) { decode_levels(b, out); }
 void decode(const block_q5_K& b, float* out) { decode_levels(b, out); }
 void decode(const block_q6_K& b, float* out) { decode_levels(b, out); }
 void decode(const block_iq2_xxs& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq4_xs& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq2_xs& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq2_s& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq3_xxs& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq3_s& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq1_s& b, float* out) { decode_levels(b, out); }
+void decode(const block_iq1_m& b, float* out) { decode_levels(b, out); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -308,8 +346,8 @@ float dot_plain(GgmlType type, const void* row, const float* x, int64_t n) {
 // ---- integer dot products with quantised activations ---------------------------------------
 
 // sum over pairs of q*y as 8 int32 lanes (lanes 0-3: bytes 0-15, lanes 4-7: bytes 16-31).
-// maddubs needs an unsigned operand: |q| times y carrying q's sign (|q| <= 43 here, so the
-// int16 pair sums cannot saturate).
+// maddubs needs an unsigned operand: |q| times y carrying q's sign (|q| <= 127 and |y| <= 127
+// here, so the int16 pair sums, at most 2*127*127, cannot saturate).
 inline __m256i dot_i8_lanes(__m256i q, __m256i y) {
   const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
@@ -382,6 +420,33 @@ void dot_q8_0_blocks(GgmlType type, const void* row, const uint8_t* act, size_t 
   for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
 }
 
+// The 32-element level types against Q8_0 activations: scale*d8*sum(q*y) - offset*d8*sum(y).
+template <typename Block, int kRows>
+void dot_levels32_q8_0(const void* row, const uint8_t* act, size_t act_stride, int64_t nb, float* out) {
+  __m256 acc[kRows];
+  float offsets[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps(), offsets[r] = 0.0f;
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    float scale, offset;
+    const __m256i q = levels32(static_cast<const Block*>(row)[b], scale, offset);
+    for (int r = 0; r < kRows; ++r) {
+      const block_q8_0& a = reinterpret_cast<const block_q8_0*>(act + r * act_stride)[b];
+      const __m256i y = load32(reinterpret_cast<const uint8_t*>(a.qs));
+      const float d8 = _cvtsh_ss(a.d);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i8_lanes(q, y)), _mm256_set1_ps(scale * d8), acc[r]);
+      if (offset != 0.0f) {
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, y), _mm256_set1_epi16(1));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        offsets[r] += offset * d8 * static_cast<float>(_mm_cvtsi128_si32(s4));
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]) - offsets[r];
+}
+
 // Splits n_rows into groups of 4, 2 and 1 and calls f(first_row, std::integral_constant<kRows>).
 template <typename F>
 void for_row_groups(int64_t n_rows, F&& f) {
@@ -438,7 +503,19 @@ bool dot_rows_f32_vector(GgmlType type, const void* row, const float* x, int64_t
     case GgmlType::Q4_K:
     case GgmlType::Q5_K:
     case GgmlType::Q6_K:
-    case GgmlType::IQ2_XXS: break;
+    case GgmlType::IQ2_XXS:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::IQ4_NL:
+    case GgmlType::IQ4_XS:
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S:
+    case GgmlType::IQ1_M: break;
     default: return false;
   }
   for_row_groups(n_x, [&](int64_t r0, auto rows) {
@@ -453,6 +530,18 @@ bool dot_rows_f32_vector(GgmlType type, const void* row, const float* x, int64_t
       case GgmlType::Q4_K: dot_levels<block_q4_K, R>(row, xr, x_stride, n, o); break;
       case GgmlType::Q5_K: dot_levels<block_q5_K, R>(row, xr, x_stride, n, o); break;
       case GgmlType::Q6_K: dot_levels<block_q6_K, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q4_0: dot_blocks<block_q4_0, QK4_0, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q4_1: dot_blocks<block_q4_1, QK4_0, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q5_0: dot_blocks<block_q5_0, QK4_0, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::Q5_1: dot_blocks<block_q5_1, QK4_0, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ4_NL: dot_blocks<block_iq4_nl, QK4_0, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ4_XS: dot_levels<block_iq4_xs, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ2_XS: dot_levels<block_iq2_xs, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ2_S: dot_levels<block_iq2_s, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ3_XXS: dot_levels<block_iq3_xxs, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ3_S: dot_levels<block_iq3_s, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ1_S: dot_levels<block_iq1_s, R>(row, xr, x_stride, n, o); break;
+      case GgmlType::IQ1_M: dot_levels<block_iq1_m, R>(row, xr, x_stride, n, o); break;
       default: dot_levels<block_iq2_xxs, R>(row, xr, x_stride, n, o); break;
     }
   });
@@ -493,6 +582,18 @@ bool dequantize_row_vector(GgmlType type, const void* src, float* dst, int64_t n
     case GgmlType::Q5_K: dequant_blocks<block_q5_K, QK_K>(src, dst, n); return true;
     case GgmlType::Q6_K: dequant_blocks<block_q6_K, QK_K>(src, dst, n); return true;
     case GgmlType::IQ2_XXS: dequant_blocks<block_iq2_xxs, QK_K>(src, dst, n); return true;
+    case GgmlType::Q4_0: dequant_blocks<block_q4_0, QK4_0>(src, dst, n); return true;
+    case GgmlType::Q4_1: dequant_blocks<block_q4_1, QK4_0>(src, dst, n); return true;
+    case GgmlType::Q5_0: dequant_blocks<block_q5_0, QK4_0>(src, dst, n); return true;
+    case GgmlType::Q5_1: dequant_blocks<block_q5_1, QK4_0>(src, dst, n); return true;
+    case GgmlType::IQ4_NL: dequant_blocks<block_iq4_nl, QK4_0>(src, dst, n); return true;
+    case GgmlType::IQ4_XS: dequant_blocks<block_iq4_xs, QK_K>(src, dst, n); return true;
+    case GgmlType::IQ2_XS: dequant_blocks<block_iq2_xs, QK_K>(src, dst, n); return true;
+    case GgmlType::IQ2_S: dequant_blocks<block_iq2_s, QK_K>(src, dst, n); return true;
+    case GgmlType::IQ3_XXS: dequant_blocks<block_iq3_xxs, QK_K>(src, dst, n); return true;
+    case GgmlType::IQ3_S: dequant_blocks<block_iq3_s, QK_K>(src, dst, n); return true;
+    case GgmlType::IQ1_S: dequant_blocks<block_iq1_s, QK_K>(src, dst, n); return true;
+    case GgmlType::IQ1_M: dequant_blocks<block_iq1_m, QK_K>(src, dst, n); return true;
     default: return false;  // F32 is a copy
   }
 }
@@ -555,7 +656,19 @@ bool dot_rows_quantized_vector(GgmlType type, const void* row, const void* act, 
     case GgmlType::Q4_K:
     case GgmlType::Q5_K:
     case GgmlType::Q6_K:
-    case GgmlType::IQ2_XXS: break;
+    case GgmlType::IQ2_XXS:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::IQ4_NL:
+    case GgmlType::IQ4_XS:
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S:
+    case GgmlType::IQ1_M: break;
     default: return false;
   }
   const uint8_t* a = static_cast<const uint8_t*>(act);
@@ -571,6 +684,18 @@ bool dot_rows_quantized_vector(GgmlType type, const void* row, const void* act, 
       case GgmlType::Q4_K: dot_q8_K_blocks<block_q4_K, R>(row, ar, act_stride, n / QK_K, o); break;
       case GgmlType::Q5_K: dot_q8_K_blocks<block_q5_K, R>(row, ar, act_stride, n / QK_K, o); break;
       case GgmlType::Q6_K: dot_q8_K_blocks<block_q6_K, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::Q4_0: dot_levels32_q8_0<block_q4_0, R>(row, ar, act_stride, n / QK4_0, o); break;
+      case GgmlType::Q4_1: dot_levels32_q8_0<block_q4_1, R>(row, ar, act_stride, n / QK4_0, o); break;
+      case GgmlType::Q5_0: dot_levels32_q8_0<block_q5_0, R>(row, ar, act_stride, n / QK4_0, o); break;
+      case GgmlType::Q5_1: dot_levels32_q8_0<block_q5_1, R>(row, ar, act_stride, n / QK4_0, o); break;
+      case GgmlType::IQ4_NL: dot_levels32_q8_0<block_iq4_nl, R>(row, ar, act_stride, n / QK4_0, o); break;
+      case GgmlType::IQ4_XS: dot_q8_K_blocks<block_iq4_xs, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::IQ2_XS: dot_q8_K_blocks<block_iq2_xs, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::IQ2_S: dot_q8_K_blocks<block_iq2_s, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::IQ3_XXS: dot_q8_K_blocks<block_iq3_xxs, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::IQ3_S: dot_q8_K_blocks<block_iq3_s, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::IQ1_S: dot_q8_K_blocks<block_iq1_s, R>(row, ar, act_stride, n / QK_K, o); break;
+      case GgmlType::IQ1_M: dot_q8_K_blocks<block_iq1_m, R>(row, ar, act_stride, n / QK_K, o); break;
       default: dot_q8_K_blocks<block_iq2_xxs, R>(row, ar, act_stride, n / QK_K, o); break;
     }
   });

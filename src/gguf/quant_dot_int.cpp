@@ -107,6 +107,23 @@ void levels_of(const block_iq2_xxs& b, LevelBlock& v) {
   v.has_offset = false;
 }
 
+// The i-quants of 256 read through their levels (quant_decode.h); no offsets.
+template <typename Block>
+void levels_of_iq(const Block& b, LevelBlock& v) {
+  quant::Levels256 l;
+  quant::levels(b, quant::host_iq_tables(), l);
+  std::memcpy(v.q, l.q, sizeof v.q);
+  std::memcpy(v.scale, l.scale, sizeof v.scale);
+  v.has_offset = false;
+}
+void levels_of(const block_iq4_xs& b, LevelBlock& v) { levels_of_iq(b, v); }
+void levels_of(const block_iq2_xs& b, LevelBlock& v) { levels_of_iq(b, v); }
+void levels_of(const block_iq2_s& b, LevelBlock& v) { levels_of_iq(b, v); }
+void levels_of(const block_iq3_xxs& b, LevelBlock& v) { levels_of_iq(b, v); }
+void levels_of(const block_iq3_s& b, LevelBlock& v) { levels_of_iq(b, v); }
+void levels_of(const block_iq1_s& b, LevelBlock& v) { levels_of_iq(b, v); }
+void levels_of(const block_iq1_m& b, LevelBlock& v) { levels_of_iq(b, v); }
+
 // sum over 16 elements of q*q8, for each of the 16 groups of a super-block.
 void group_sums(const int8_t* q, const int8_t* q8, int32_t* sums) {
 #if defined(__AVX2__)
@@ -194,6 +211,22 @@ float dot_mxfp4_q8_0(const void* row, const block_q8_0* act, int64_t nb) {
   return total;
 }
 
+// The 32-element types against Q8_0 activations: scale*d8*sum(q*q8) - offset*d8*sum(q8).
+template <typename Block>
+float dot_levels32_q8_0(const void* row, const block_q8_0* act, int64_t nb) {
+  const Block* w = static_cast<const Block*>(row);
+  float total = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    quant::Levels32 v;
+    quant::levels(w[b], quant::host_iq_tables(), v);
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) sum += act[b].qs[i];
+    const float d8 = fp16_to_f32(act[b].d);
+    total += d8 * (v.scale * static_cast<float>(dot32_i8(v.q, act[b].qs)) - v.offset * static_cast<float>(sum));
+  }
+  return total;
+}
+
 // ggml's quantize_row_q8_K_ref: scale from the signed extreme (-127/max) so the largest
 // magnitude maps to +-127 exactly; per-16 sums for the K-quant offsets.
 void quantize_q8_K(const float* x, block_q8_K* y, int64_t nb) {
@@ -228,7 +261,19 @@ void quantize_q8_K(const float* x, block_q8_K* y, int64_t nb) {
 GgmlType dot_activation_type(GgmlType weight_type) {
   switch (weight_type) {
     case GgmlType::Q8_0:
-    case GgmlType::MXFP4: return GgmlType::Q8_0;
+    case GgmlType::MXFP4:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::IQ4_NL: return GgmlType::Q8_0;
+    case GgmlType::IQ4_XS:
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S:
+    case GgmlType::IQ1_M:
     case GgmlType::Q2_K:
     case GgmlType::Q3_K:
     case GgmlType::Q4_K:
@@ -255,6 +300,18 @@ float dot_row_quantized_scalar(GgmlType weight_type, const void* row, const void
     case GgmlType::Q5_K: return dot_k_q8_K<block_q5_K>(row, q8_K, n / QK_K);
     case GgmlType::Q6_K: return dot_k_q8_K<block_q6_K>(row, q8_K, n / QK_K);
     case GgmlType::IQ2_XXS: return dot_k_q8_K<block_iq2_xxs>(row, q8_K, n / QK_K);
+    case GgmlType::IQ4_XS: return dot_k_q8_K<block_iq4_xs>(row, q8_K, n / QK_K);
+    case GgmlType::IQ2_XS: return dot_k_q8_K<block_iq2_xs>(row, q8_K, n / QK_K);
+    case GgmlType::IQ2_S: return dot_k_q8_K<block_iq2_s>(row, q8_K, n / QK_K);
+    case GgmlType::IQ3_XXS: return dot_k_q8_K<block_iq3_xxs>(row, q8_K, n / QK_K);
+    case GgmlType::IQ3_S: return dot_k_q8_K<block_iq3_s>(row, q8_K, n / QK_K);
+    case GgmlType::IQ1_S: return dot_k_q8_K<block_iq1_s>(row, q8_K, n / QK_K);
+    case GgmlType::IQ1_M: return dot_k_q8_K<block_iq1_m>(row, q8_K, n / QK_K);
+    case GgmlType::Q4_0: return dot_levels32_q8_0<block_q4_0>(row, q8_0, n / QK4_0);
+    case GgmlType::Q4_1: return dot_levels32_q8_0<block_q4_1>(row, q8_0, n / QK4_0);
+    case GgmlType::Q5_0: return dot_levels32_q8_0<block_q5_0>(row, q8_0, n / QK4_0);
+    case GgmlType::Q5_1: return dot_levels32_q8_0<block_q5_1>(row, q8_0, n / QK4_0);
+    case GgmlType::IQ4_NL: return dot_levels32_q8_0<block_iq4_nl>(row, q8_0, n / QK4_0);
     default: return dot_row_f32(weight_type, row, static_cast<const float*>(act), n);
   }
 }

@@ -5,8 +5,12 @@
 
 #include "gguf/ggml_types.h"
 #include "gguf/quant_blocks.h"
+#include "gguf/quant_decode.h"
 
 namespace dsv4::quant {
+
+// The i-quant codebooks of iq_tables.h / iq2xxs_tables.h (quant.cpp).
+const IqTables& host_iq_tables();
 
 // quant_kquants.cpp: ggml's reference K-quant quantisers (quantize_row_q*_K_ref), `nb` blocks.
 void quantize_blocks_q2_K(const float* x, block_q2_K* y, int64_t nb);

@@ -59,11 +59,13 @@ class KeyReader {
   std::string arch_;
 };
 
-Status parse_v4(const KeyReader& r, ModelConfig& c) {
+Status parse_v4(const KeyReader& r, std::optional<uint32_t> mtp_blocks, ModelConfig& c) {
   const auto& file = r.file();
   DSV4_ASSIGN_OR_RETURN(uint32_t block_count, r.u32("block_count"));
   c.n_mtp = 0;
-  if (r.has("nextn_predict_layers")) {
+  if (mtp_blocks) {
+    c.n_mtp = *mtp_blocks;
+  } else if (r.has("nextn_predict_layers")) {
     DSV4_ASSIGN_OR_RETURN(c.n_mtp, r.u32("nextn_predict_layers"));
   }
   if (c.n_mtp >= block_count)
@@ -243,7 +245,7 @@ Status ModelConfig::validate() const {
   return Status::ok();
 }
 
-Result<ModelConfig> ModelConfig::from_gguf(const gguf::GgufFile& file) {
+Result<ModelConfig> ModelConfig::from_gguf(const gguf::GgufFile& file, std::optional<uint32_t> mtp_blocks) {
   DSV4_ASSIGN_OR_RETURN(std::string arch, file.get_string("general.architecture"));
   ModelConfig c;
   if (arch == "deepseek41")
@@ -256,20 +258,25 @@ Result<ModelConfig> ModelConfig::from_gguf(const gguf::GgufFile& file) {
   if (file.find("general.name")) {
     DSV4_ASSIGN_OR_RETURN(c.name, file.get_string("general.name"));
   }
-  DSV4_TRY(parse_v4(KeyReader(file, arch), c));
+  DSV4_TRY(parse_v4(KeyReader(file, arch), mtp_blocks, c));
   if (Status s = c.validate(); !s.is_ok()) return s.with_context(file.path());
   return c;
 }
 
-void ModelConfig::write_gguf_metadata(gguf::GgufWriter& w) const {
+void ModelConfig::write_gguf_metadata(gguf::GgufWriter& w, GgufPart part) const {
   using gguf::Value;
   const std::string arch(architecture());
   auto key = [&](std::string_view k) { return fmt::format("{}.{}", arch, k); };
   w.set("general.architecture", Value::string(arch));
   if (!name.empty()) w.set("general.name", Value::string(name));
 
-  w.set(key("block_count"), Value::u32(n_blocks()));
-  w.set(key("nextn_predict_layers"), Value::u32(n_mtp));
+  // llama.cpp's trunk file counts only the trunk blocks; its per-block arrays then have
+  // block_count entries except compress_ratios, which keeps the MTP entries (as config.json).
+  const uint32_t blocks = part == GgufPart::Trunk ? n_layers : n_blocks();
+  w.set(key("block_count"), Value::u32(blocks));
+  if (part != GgufPart::Trunk) w.set(key("nextn_predict_layers"), Value::u32(n_mtp));
+  const std::vector<float> clamp(swiglu_limit.begin(), swiglu_limit.begin() + blocks);
+  const std::vector<float> clamp_shared(swiglu_limit_shared.begin(), swiglu_limit_shared.begin() + blocks);
   w.set(key("context_length"), context_length <= std::numeric_limits<uint32_t>::max()
                                    ? Value::u32(static_cast<uint32_t>(context_length))
                                    : Value::u64(context_length));
@@ -285,7 +292,8 @@ void ModelConfig::write_gguf_metadata(gguf::GgufWriter& w) const {
   w.set(key("attention.output_lora_rank"), Value::u32(o_lora_rank));
   w.set(key("attention.output_group_count"), Value::u32(o_groups));
   w.set(key("attention.sliding_window"), Value::u32(sliding_window));
-  w.set(key("attention.compress_ratios"), Value::array_u32(compress_ratios));
+  w.set(key("attention.compress_ratios"),
+        Value::array_i32(std::vector<int32_t>(compress_ratios.begin(), compress_ratios.end())));
   w.set(key("attention.compress_rope_freq_base"),
         Value::f32(static_cast<float>(rope.compress_freq_base)));
   w.set(key("attention.layer_norm_rms_epsilon"), Value::f32(rms_eps));
@@ -308,11 +316,9 @@ void ModelConfig::write_gguf_metadata(gguf::GgufWriter& w) const {
   w.set(key("expert_weights_scale"), Value::f32(routed_scale));
   w.set(key("expert_weights_norm"), Value::boolean(norm_topk));
   w.set(key("expert_gating_func"), Value::u32(static_cast<uint32_t>(kGatingSqrtSoftplus)));
-  w.set(key("expert_group_count"), Value::u32(0));
-  w.set(key("expert_group_used_count"), Value::u32(0));
   w.set(key("hash_layer_count"), Value::u32(n_hash_layers));
-  w.set(key("swiglu_clamp_exp"), Value::array_f32(swiglu_limit));
-  w.set(key("swiglu_clamp_shexp"), Value::array_f32(swiglu_limit_shared));
+  w.set(key("swiglu_clamp_exp"), Value::array_f32(clamp));
+  w.set(key("swiglu_clamp_shexp"), Value::array_f32(clamp_shared));
 
   w.set(key("hyper_connection.count"), Value::u32(hc_mult));
   w.set(key("hyper_connection.sinkhorn_iterations"), Value::u32(hc_sinkhorn_iters));

@@ -17,6 +17,11 @@ namespace gguf { class GgufFile; class GgufWriter; }
 
 enum class ModelVariant { V4, V41 };
 
+// Which file of a layout the metadata is for (model_files.h): one file with trunk and MTP,
+// llama.cpp's trunk (block_count = trunk layers, no nextn_predict_layers), or its MTP
+// sidecar (block_count = all blocks, nextn_predict_layers = MTP blocks).
+enum class GgufPart { Bundled, Trunk, MtpSidecar };
+
 enum class AttentionKind { Window, CSA, HCA };  // ratio 0, ratio 4 (+indexer), other ratio
 
 struct RopeConfig {
@@ -102,9 +107,14 @@ struct ModelConfig {
   Status validate() const;
 
   // Reads `<arch>.*` keys of a deepseek4 / deepseek41 file; errors name file and key.
-  static Result<ModelConfig> from_gguf(const gguf::GgufFile& file);
-  // Writes the same keys (used by synth and convert).
-  void write_gguf_metadata(gguf::GgufWriter& writer) const;
+  // `mtp_blocks`: how many of the file's blocks are MTP blocks when the caller has looked
+  // at its tensors (model_files.h: llama.cpp counts nextn_predict_layers only when the
+  // first MTP block's nextn.eh_proj is present); default: nextn_predict_layers.
+  static Result<ModelConfig> from_gguf(const gguf::GgufFile& file,
+                                       std::optional<uint32_t> mtp_blocks = std::nullopt);
+  // Writes the same keys (used by synth and convert), with the types llama.cpp's converter
+  // writes (integer arrays as INT32).
+  void write_gguf_metadata(gguf::GgufWriter& writer, GgufPart part = GgufPart::Bundled) const;
 };
 
 }  // namespace dsv4

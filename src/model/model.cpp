@@ -9,6 +9,7 @@
 #include "gguf/gguf_file.h"
 #include "backend/sampling.h"
 #include "model/forward.h"
+#include "model/model_files.h"
 #include "model/weights.h"
 
 namespace dsv4 {
@@ -64,16 +65,17 @@ Model::~Model() {
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& path, backend::Backend& backend,
                                            ModelOptions options) {
-  DSV4_ASSIGN_OR_RETURN(gguf::GgufFile file, gguf::GgufFile::open(path));
-  DSV4_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::from_gguf(file));
-  DSV4_TRY(config.validate().with_context(path));
+  ModelFilesOptions fo;
+  fo.mtp_path = options.mtp_path;
+  DSV4_ASSIGN_OR_RETURN(ModelFiles files, ModelFiles::open(path, fo));
+  DSV4_TRY(files.config().validate().with_context(path));
   std::unique_ptr<Model> m(new Model());
-  m->file_ = std::make_unique<gguf::GgufFile>(std::move(file));
-  m->config_ = std::move(config);
+  m->files_ = std::make_unique<ModelFiles>(std::move(files));
+  m->config_ = m->files_->config();
   m->plan_ = ModelPlan::build(m->config_);
   m->options_ = options;
   m->backend_ = &backend;
-  DSV4_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::load(*m->file_, m->config_, backend));
+  DSV4_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::load(*m->files_, backend));
   m->weights_ = std::make_unique<ModelWeights>(std::move(weights));
   DSV4_ASSIGN_OR_RETURN(m->cache_, KvCache::create(m->config_, m->plan_, backend, options.cache));
   return m;

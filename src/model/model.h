@@ -30,7 +30,7 @@
 #include "util/status.h"
 
 namespace dsv4 {
-namespace gguf { class GgufFile; }
+class ModelFiles;
 struct ModelWeights;
 class ForwardTrace;
 
@@ -40,6 +40,9 @@ struct ModelOptions {
   bool qat = true;
   // Exact: fp32 reference numerics (CI, fixtures). Quantized: a backend's fast path.
   backend::MatmulMode matmul = backend::MatmulMode::Exact;
+  // An MTP sidecar to load with a trunk-only file (--mtp); empty: the one found by name
+  // next to the trunk, if any (model_files.h).
+  std::string mtp_path;
   // The cache manager: sequence slots, page size, physical bytes for pages.
   KvCacheOptions cache;
   // Steps whose items each add one token and sample it on the backend run padded to a
@@ -119,6 +122,7 @@ class Model {
   ~Model();
 
   const ModelConfig& config() const { return config_; }
+  const ModelFiles& files() const { return *files_; }  // layout, notes, the files
   const ModelOptions& options() const { return options_; }
   backend::Backend& backend() const { return *backend_; }
   bool has_mtp() const { return config_.n_mtp > 0; }
@@ -157,7 +161,7 @@ class Model {
 
  private:
   Model() = default;
-  std::unique_ptr<gguf::GgufFile> file_;
+  std::unique_ptr<ModelFiles> files_;
   ModelConfig config_;
   ModelPlan plan_;
   ModelOptions options_;

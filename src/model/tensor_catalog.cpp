@@ -90,7 +90,7 @@ bool type_allowed(TypeClass cls, GgmlType type) {
 
 std::string_view type_class_name(TypeClass cls) {
   switch (cls) {
-    case TypeClass::Matrix: return "matrix (f32, f16, bf16, q8_0, q2_K..q6_K, iq2_xxs, mxfp4)";
+    case TypeClass::Matrix: return "matrix (any type dsv4 decodes: f32, f16, bf16, q4_0..q8_0, q2_K..q6_K, iq1_s..iq4_xs, mxfp4)";
     case TypeClass::Vector: return "vector (f32, f16, bf16)";
     case TypeClass::Index: return "index (i32)";
   }
@@ -209,7 +209,8 @@ class CatalogBuilder {
       const uint64_t width = c_.compressor_overlap(b) * hd;
       block(b, BT::CompressorKv, {D, width}, TC::Matrix, R::Attention);
       block(b, BT::CompressorGate, {D, width}, TC::Matrix, R::Attention);
-      block(b, BT::CompressorApe, {width, ratio}, TC::Vector, R::Small);
+      // llama.cpp takes the APE in any type (llama-quantize quantises this 2-D weight).
+      block(b, BT::CompressorApe, {width, ratio}, TC::Matrix, R::Small);
       block(b, BT::CompressorNorm, {hd}, TC::Vector, R::Small);
     }
     if (c_.attention_kind(b) == AttentionKind::CSA) {
@@ -218,7 +219,7 @@ class CatalogBuilder {
       block(b, BT::IndexerQB, {qr, ih * id}, TC::Matrix, R::Attention);
       block(b, BT::IndexerCompressorKv, {D, 2 * id}, TC::Matrix, R::Attention);
       block(b, BT::IndexerCompressorGate, {D, 2 * id}, TC::Matrix, R::Attention);
-      block(b, BT::IndexerCompressorApe, {2 * id, ratio}, TC::Vector, R::Small);
+      block(b, BT::IndexerCompressorApe, {2 * id, ratio}, TC::Matrix, R::Small);
       block(b, BT::IndexerCompressorNorm, {id}, TC::Vector, R::Small);
     }
 

@@ -4,6 +4,7 @@
 
 #include "gguf/gguf_file.h"
 #include "gguf/quant.h"
+#include "model/model_files.h"
 #include "model/tensor_catalog.h"
 
 namespace dsv4 {
@@ -13,11 +14,11 @@ using backend::Tensor;
 
 class Loader {
  public:
-  Loader(const gguf::GgufFile& file, backend::Backend& be) : file_(file), be_(be) {}
+  Loader(const ModelFiles& files, backend::Backend& be) : files_(files), be_(be) {}
 
   // A matrix in its stored type (absent optional tensors give an empty Tensor).
   Result<Tensor> matrix(const std::string& name, bool required = true) {
-    const gguf::TensorInfo* info = file_.find_tensor(name);
+    const gguf::TensorInfo* info = files_.find_tensor(name);
     if (!info) return missing(name, required);
     return be_.weight(*info);
   }
@@ -27,7 +28,7 @@ class Loader {
 
   // A small vector or table decoded to F32 with the stored shape.
   Result<Tensor> vector(const std::string& name, bool required = true) {
-    const gguf::TensorInfo* info = file_.find_tensor(name);
+    const gguf::TensorInfo* info = files_.find_tensor(name);
     if (!info) return missing(name, required);
     std::vector<float> host(info->n_elements());
     dequantize_row(info->type, info->data, host.data(), static_cast<int64_t>(host.size()));
@@ -42,10 +43,10 @@ class Loader {
 
   // The hash-routing table as I32 [vocab, k].
   Result<Tensor> index_table(const std::string& name) {
-    const gguf::TensorInfo* info = file_.find_tensor(name);
+    const gguf::TensorInfo* info = files_.find_tensor(name);
     if (!info) return missing(name, true);
     if (info->type != GgmlType::I32)
-      return Status::errorf("{}: tensor {}: type {}, expected i32", file_.path(), name,
+      return Status::errorf("{}: tensor {}: type {}, expected i32", files_.file_of(*info).path(), name,
                             ggml_type_name(info->type));
     std::vector<int64_t> shape(info->ne.rbegin(), info->ne.rend());
     DSV4_ASSIGN_OR_RETURN(Tensor t, be_.alloc(GgmlType::I32, shape));
@@ -64,10 +65,10 @@ class Loader {
 
  private:
   Result<Tensor> missing(const std::string& name, bool required) {
-    if (required) return Status::errorf("{}: tensor {} is missing", file_.path(), name);
+    if (required) return Status::errorf("{}: tensor {} is missing", files_.label(), name);
     return Tensor{};
   }
-  const gguf::GgufFile& file_;
+  const ModelFiles& files_;
   backend::Backend& be_;
 };
 
@@ -127,10 +128,10 @@ Result<BlockWeights> load_block(Loader& l, const ModelConfig& c, uint32_t b) {
 
 }  // namespace
 
-Result<ModelWeights> ModelWeights::load(const gguf::GgufFile& file, const ModelConfig& config,
-                                        backend::Backend& backend) {
-  DSV4_TRY(check_tensors(build_tensor_catalog(config), file.tensors(), file.path()));
-  Loader l(file, backend);
+Result<ModelWeights> ModelWeights::load(const ModelFiles& files, backend::Backend& backend) {
+  DSV4_TRY(files.check());
+  const ModelConfig& config = files.config();
+  Loader l(files, backend);
   ModelWeights w;
   DSV4_ASSIGN_OR_RETURN(w.token_embd, l.matrix(std::string(global_tensor_name(GlobalTensor::TokenEmbd))));
   DSV4_ASSIGN_OR_RETURN(w.output_norm, l.vector(std::string(global_tensor_name(GlobalTensor::OutputNorm))));

@@ -11,7 +11,7 @@
 #include "util/status.h"
 
 namespace dsv4 {
-namespace gguf { class GgufFile; }
+class ModelFiles;
 
 struct HcSite {  // one mHC site: fn [24, hc*D], base [24], scale [3]
   backend::Tensor fn, base, scale;
@@ -44,9 +44,9 @@ struct ModelWeights {
   HcSite hc_head;
   std::vector<BlockWeights> blocks;  // trunk then MTP
 
-  // Every tensor of the catalog from `file` (checked against it first).
-  static Result<ModelWeights> load(const gguf::GgufFile& file, const ModelConfig& config,
-                                   backend::Backend& backend);
+  // Every tensor of the catalog from `files` (checked against it first), whatever their
+  // layout (model_files.h).
+  static Result<ModelWeights> load(const ModelFiles& files, backend::Backend& backend);
 };
 
 }  // namespace dsv4

@@ -73,6 +73,7 @@ Result<std::filesystem::path> ensure_builtin_model(
   opts.seed = kBuiltinModelSeed;
   opts.preset_name = std::string(kPreset);
   opts.overwrite = true;
+  opts.layout = WriteLayout::Bundled;  // one cache file, renamed into place whole
   // A private name per writer, renamed into place only when complete, so concurrent
   // first runs never see (or leave) a partial file.
   static std::atomic<uint64_t> counter{0};

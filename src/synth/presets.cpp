@@ -36,7 +36,7 @@ void set_uniform_swiglu(ModelConfig& c, float limit) {
   c.swiglu_limit_shared.assign(c.n_blocks(), limit);
 }
 
-constexpr std::array<std::string_view, 3> kNames = {"tiny", "small", "flash"};
+constexpr std::array<std::string_view, 4> kNames = {"tiny", "interop", "small", "flash"};
 
 }  // namespace
 
@@ -127,12 +127,24 @@ ModelConfig flash_config() {
   return c;
 }
 
+// The tiny geometry with the compression ratios llama.cpp's deepseek4 loader accepts (0, 4
+// and 128 only): the models of the llama.cpp interoperability tests (tests/llamacpp/).
+ModelConfig interop_config() {
+  ModelConfig c = tiny_config();
+  c.name = "dsv4 interop (synthetic)";
+  c.compress_ratios = {0, 4, 128, 4, 128, 0, 0};
+  return c;
+}
+
 std::span<const std::string_view> preset_names() { return kNames; }
 
 Result<Preset> find_preset(std::string_view name) {
   if (name == "tiny")
     return Preset{"tiny", "fixture geometry (hidden 256, 6 layers + MTP), real vocabulary",
                   tiny_config(), GgmlType::Q8_0, GgmlType::Q8_0};
+  if (name == "interop")
+    return Preset{"interop", "tiny geometry with llama.cpp's ratios (0, 4, 128): interoperability tests",
+                  interop_config(), GgmlType::Q8_0, GgmlType::Q8_0};
   if (name == "small")
     return Preset{"small", "hidden 1024, 8 layers + MTP, 32 experts top-4 (CPU benchmarks)",
                   small_config(), GgmlType::Q2_K, GgmlType::Q8_0};

@@ -25,6 +25,7 @@ std::span<const std::string_view> preset_names();  // "tiny", "small", "flash"
 Result<Preset> find_preset(std::string_view name);  // error lists the known names
 
 ModelConfig tiny_config();
+ModelConfig interop_config();  // tiny with ratios 0 / 4 / 128 (what llama.cpp accepts)
 ModelConfig small_config();
 ModelConfig flash_config();
 

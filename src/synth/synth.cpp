@@ -243,6 +243,9 @@ GgmlType synth_tensor_type(const TensorSpec& spec, GgmlType expert_type, GgmlTyp
                            std::string* note) {
   if (spec.type_class == TypeClass::Index) return GgmlType::I32;
   if (spec.type_class == TypeClass::Vector) return GgmlType::F32;
+  // The APE is small; llama.cpp's converter keeps it in the checkpoint's f32.
+  if (spec.block_kind == BlockTensor::CompressorApe || spec.block_kind == BlockTensor::IndexerCompressorApe)
+    return GgmlType::F32;
   // The reference keeps the hyper-connection mixers in fp32; they are small.
   if (is_hc_mixer(spec)) return GgmlType::F32;
   const GgmlType want = spec.role == TensorRole::RoutedExperts ? expert_type : dense_type;
@@ -270,18 +273,22 @@ void synth_rows(const ModelConfig& config, const TensorSpec& spec, uint64_t seed
   for (uint64_t r = 0; r < n_rows; ++r) fill_row(ctx, row + r, out + r * spec.ne[0]);
 }
 
-Result<SynthReport> write_synthetic_model(const std::string& path, const SynthOptions& opts) {
-  const ModelConfig& c = opts.config;
-  DSV4_TRY(c.validate());
-  for (GgmlType t : {opts.expert_type, opts.dense_type})
-    if (!can_quantize(t))
-      return Status::errorf("synth: cannot produce {} weights (producible: f32, f16, bf16, q8_0, "
-                            "q2_K, q3_K, q4_K, q5_K, q6_K, mxfp4)", ggml_type_name(t));
+namespace {
 
+// One output file: its metadata part and its tensors (catalog spec, name in this file).
+struct SynthFile {
+  std::string path;
+  GgufPart part;
+  std::vector<std::pair<const TensorSpec*, std::string>> tensors;
+};
+
+Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t& done, size_t total,
+                        SynthReport& report) {
+  const ModelConfig& c = opts.config;
   gguf::WriterOptions wopts;
   wopts.overwrite = opts.overwrite;
-  gguf::GgufWriter writer(path, wopts);
-  c.write_gguf_metadata(writer);
+  gguf::GgufWriter writer(file.path, wopts);
+  c.write_gguf_metadata(writer, file.part);
   if (!opts.preset_name.empty()) writer.set(std::string(kSynthPresetKey), gguf::Value::string(opts.preset_name));
   writer.set(std::string(kSynthSeedKey), gguf::Value::u64(opts.seed));
   writer.set(std::string(kSynthVersionKey), gguf::Value::u32(kSynthVersion));
@@ -292,28 +299,26 @@ Result<SynthReport> write_synthetic_model(const std::string& path, const SynthOp
                                             writer, topts));
   }
 
-  const TensorCatalog catalog = build_tensor_catalog(c);
-  const std::vector<const TensorSpec*> specs = synth_tensor_list(catalog);
-  SynthReport report;
   std::vector<GgmlType> types;
-  for (const TensorSpec* spec : specs) {
+  for (const auto& [spec, name] : file.tensors) {
     std::string note;
     types.push_back(synth_tensor_type(*spec, opts.expert_type, opts.dense_type, &note));
     if (!note.empty()) report.notes.push_back(std::move(note));
-    DSV4_TRY(writer.add_tensor(spec->name, types.back(), spec->ne));
+    DSV4_TRY(writer.add_tensor(name, types.back(), spec->ne));
   }
   DSV4_TRY(writer.begin());
 
   ThreadPool& pool = opts.pool ? *opts.pool : ThreadPool::global();
   std::vector<std::vector<float>> scratch(pool.size());
   std::vector<uint8_t> chunk;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const TensorSpec& spec = *specs[i];
+  for (size_t i = 0; i < file.tensors.size(); ++i) {
+    const TensorSpec& spec = *file.tensors[i].first;
     const GgmlType type = types[i];
     const uint64_t n = spec.ne[0];
     const uint64_t row_bytes = *ggml_row_bytes(type, n);
     const uint64_t n_rows = spec.n_elements() / n;
     const uint64_t rows_per_chunk = std::max<uint64_t>(1, kChunkBytes / row_bytes);
+    // Keyed by the catalog name, so a tensor has the same values in whichever file it lands.
     const RowContext ctx{c, spec, mix(opts.seed, hash_name(spec.name))};
     for (uint64_t row0 = 0; row0 < n_rows; row0 += rows_per_chunk) {
       const uint64_t rows = std::min(rows_per_chunk, n_rows - row0);
@@ -338,9 +343,42 @@ Result<SynthReport> write_synthetic_model(const std::string& path, const SynthOp
       report.data_bytes += chunk.size();
     }
     ++report.n_tensors;
-    if (opts.on_progress) opts.on_progress(i + 1, specs.size(), report.data_bytes);
+    if (opts.on_progress) opts.on_progress(++done, total, report.data_bytes);
   }
   DSV4_TRY(writer.finish());
+  report.paths.push_back(file.path);
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<SynthReport> write_synthetic_model(const std::string& path, const SynthOptions& opts) {
+  const ModelConfig& c = opts.config;
+  DSV4_TRY(c.validate());
+  for (GgmlType t : {opts.expert_type, opts.dense_type})
+    if (!can_quantize(t))
+      return Status::errorf("synth: cannot produce {} weights (producible: f32, f16, bf16, q8_0, "
+                            "q2_K, q3_K, q4_K, q5_K, q6_K, mxfp4)", ggml_type_name(t));
+
+  const TensorCatalog catalog = build_tensor_catalog(c);
+  const std::vector<const TensorSpec*> specs = synth_tensor_list(catalog);
+  std::vector<SynthFile> files;
+  if (opts.layout == WriteLayout::Bundled || c.n_mtp == 0) {
+    files.push_back({path, c.n_mtp == 0 ? GgufPart::Trunk : GgufPart::Bundled, {}});
+    for (const TensorSpec* spec : specs) files[0].tensors.emplace_back(spec, spec->name);
+  } else {
+    files.push_back({path, GgufPart::Trunk, {}});
+    files.push_back({sidecar_path_for(path), GgufPart::MtpSidecar, {}});
+    for (const TensorSpec* spec : specs) {
+      const Placement p = place_tensor(*spec, c);
+      if (p.in_trunk) files[0].tensors.emplace_back(spec, spec->name);
+      if (p.in_sidecar) files[1].tensors.emplace_back(spec, p.sidecar_name);
+    }
+  }
+  size_t total = 0, done = 0;
+  for (const SynthFile& f : files) total += f.tensors.size();
+  SynthReport report;
+  for (const SynthFile& f : files) DSV4_TRY(write_synth_file(f, opts, done, total, report));
   return report;
 }
 

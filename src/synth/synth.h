@@ -17,6 +17,7 @@
 
 #include "gguf/ggml_types.h"
 #include "model/config.h"
+#include "model/model_files.h"
 #include "model/tensor_catalog.h"
 #include "util/status.h"
 
@@ -39,12 +40,16 @@ struct SynthOptions {
   std::string preset_name;               // recorded under kSynthPresetKey when not empty
   bool write_tokenizer = true;           // DeepSeek-V4's tokenizer (needs vocab >= 128,815)
   bool overwrite = false;
+  // llama.cpp's layout: the trunk at `path` and, with MTP, its sidecar "mtp-<name>" beside it;
+  // or one bundled file.
+  WriteLayout layout = WriteLayout::TrunkAndSidecar;
   ThreadPool* pool = nullptr;            // nullptr: ThreadPool::global()
-  // Called after each tensor: (tensors done, total, bytes written so far).
+  // Called after each tensor: (tensors done, total, bytes written so far), over all files.
   std::function<void(size_t, size_t, uint64_t)> on_progress;
 };
 
 struct SynthReport {
+  std::vector<std::string> paths;  // the trunk (or bundled file), then the sidecar if any
   size_t n_tensors = 0;
   uint64_t data_bytes = 0;
   // One line per fallback, e.g. "blk.0.ffn_down_exps.weight: row length 128 is not a

@@ -1,8 +1,11 @@
 // Reading a Hugging Face tokenizer.json (byte-level BPE, as DeepSeek-V3/V4 ship it) and
 // writing it as GGUF tokenizer metadata in llama.cpp's convention:
-//   tokenizer.ggml.model = "gpt2", tokenizer.ggml.pre = "deepseek-v3",
-//   tokenizer.ggml.tokens / token_type / merges, bos/eos/padding ids,
-//   add_bos_token = add_eos_token = false (the chat encoder writes BOS itself).
+//   tokenizer.ggml.model = "gpt2", tokenizer.ggml.pre = "joyai-llm" (what llama.cpp's converter
+//   writes for this tokenizer: its test tokenisation hashes to that preset, which uses
+//   DeepSeek-V3's split regexes), tokenizer.ggml.tokens / token_type / merges, bos/eos/padding
+//   ids (padding = the tokenizer_config's pad_token, <｜end▁of▁sentence｜>, as llama.cpp's
+//   converter reads it), add_bos_token = add_eos_token = false (the chat encoder writes BOS
+//   itself), and tokenizer.chat_template (text/chat_template.h).
 // Used by the converter and by the built-in default model (with builtin_tokenizer_json()).
 #pragma once
 
@@ -30,7 +33,7 @@ struct TokenizerJsonOptions {
   // Names of the special tokens; each must exist in the file.
   std::string bos_token = "<｜begin▁of▁sentence｜>";
   std::string eos_token = "<｜end▁of▁sentence｜>";
-  std::string pad_token = "<｜▁pad▁｜>";
+  std::string pad_token = "<｜end▁of▁sentence｜>";
   // Pads the token list with unused "[PAD<id>]" entries up to this size (the model's
   // vocab_size may exceed the tokenizer's); 0 = no padding.
   uint32_t min_vocab_size = 0;
@@ -41,7 +44,7 @@ struct TokenizerVocab {
   std::vector<std::string> tokens;      // BPE entries in byte-level form, added tokens as text
   std::vector<TokenType> token_types;   // same length as tokens
   std::vector<std::string> merges;      // "left right", in rank order
-  std::string pre = "deepseek-v3";      // tokenizer.ggml.pre
+  std::string pre = "joyai-llm";        // tokenizer.ggml.pre
   uint32_t bos_id = 0;
   uint32_t eos_id = 0;
   uint32_t pad_id = 0;

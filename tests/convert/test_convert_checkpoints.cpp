@@ -50,6 +50,7 @@ Result<ConvertSummary> convert(const std::filesystem::path& ckpt, const std::fil
   opts.recipe = *recipe_by_name(recipe);
   opts.threads = 2;
   opts.force = force;
+  opts.layout = WriteLayout::Bundled;  // the tests read every tensor from one file
   return convert_checkpoint(opts);
 }
 

@@ -75,6 +75,7 @@ std::unique_ptr<Converted> convert_fixture(const Recipe& recipe) {
   opts.recipe = recipe;
   opts.threads = 2;
   opts.chunk_bytes = 4096;  // many chunks per tensor: exercises the chunk boundaries
+  opts.layout = WriteLayout::Bundled;  // every tensor in one file, read whole below
   auto summary = convert_checkpoint(opts);
   EXPECT_TRUE(summary.is_ok()) << summary.status().message();
   if (!summary) return c;

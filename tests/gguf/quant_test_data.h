@@ -30,6 +30,11 @@ void fix_blocks(std::vector<uint8_t>& bytes, Fix&& fix) {
   }
 }
 
+// Puts an fp16 scale into an IQ1_M block: nibble k of `d` is the top nibble of scale word k.
+inline void set_iq1_m_scale(block_iq1_m& b, uint16_t d) {
+  for (int k = 0; k < 4; ++k) b.scales[2 * k + 1] = static_cast<uint8_t>((b.scales[2 * k + 1] & 0x0F) | (((d >> (4 * k)) & 0xF) << 4));
+}
+
 // Bytes of one row of `n` elements of `type` (n a multiple of the block size).
 inline std::vector<uint8_t> random_row_bytes(GgmlType type, int64_t n, std::mt19937_64& rng) {
   std::vector<uint8_t> bytes(*ggml_row_bytes(type, static_cast<uint64_t>(n)));
@@ -79,6 +84,39 @@ inline std::vector<uint8_t> random_row_bytes(GgmlType type, int64_t n, std::mt19
     case GgmlType::IQ2_XXS:
       fix_blocks<block_iq2_xxs>(bytes, [&](block_iq2_xxs& b) { b.d = random_scale_fp16(rng); });
       break;
+    case GgmlType::Q4_0: fix_blocks<block_q4_0>(bytes, [&](block_q4_0& b) { b.d = random_scale_fp16(rng); }); break;
+    case GgmlType::Q5_0: fix_blocks<block_q5_0>(bytes, [&](block_q5_0& b) { b.d = random_scale_fp16(rng); }); break;
+    case GgmlType::Q4_1:
+      fix_blocks<block_q4_1>(bytes, [&](block_q4_1& b) {
+        b.d = random_scale_fp16(rng);
+        b.m = random_scale_fp16(rng);
+      });
+      break;
+    case GgmlType::Q5_1:
+      fix_blocks<block_q5_1>(bytes, [&](block_q5_1& b) {
+        b.d = random_scale_fp16(rng);
+        b.m = random_scale_fp16(rng);
+      });
+      break;
+    case GgmlType::IQ4_NL:
+      fix_blocks<block_iq4_nl>(bytes, [&](block_iq4_nl& b) { b.d = random_scale_fp16(rng); });
+      break;
+    case GgmlType::IQ4_XS:
+      fix_blocks<block_iq4_xs>(bytes, [&](block_iq4_xs& b) { b.d = random_scale_fp16(rng); });
+      break;
+    case GgmlType::IQ2_XS:
+      fix_blocks<block_iq2_xs>(bytes, [&](block_iq2_xs& b) { b.d = random_scale_fp16(rng); });
+      break;
+    case GgmlType::IQ2_S: fix_blocks<block_iq2_s>(bytes, [&](block_iq2_s& b) { b.d = random_scale_fp16(rng); }); break;
+    case GgmlType::IQ3_XXS:
+      fix_blocks<block_iq3_xxs>(bytes, [&](block_iq3_xxs& b) { b.d = random_scale_fp16(rng); });
+      break;
+    case GgmlType::IQ3_S: fix_blocks<block_iq3_s>(bytes, [&](block_iq3_s& b) { b.d = random_scale_fp16(rng); }); break;
+    case GgmlType::IQ1_S: fix_blocks<block_iq1_s>(bytes, [&](block_iq1_s& b) { b.d = random_scale_fp16(rng); }); break;
+    case GgmlType::IQ1_M:
+      // The fp16 scale lives in the top nibbles of the four scale words.
+      fix_blocks<block_iq1_m>(bytes, [&](block_iq1_m& b) { set_iq1_m_scale(b, random_scale_fp16(rng)); });
+      break;
     case GgmlType::MXFP4:
       fix_blocks<block_mxfp4>(bytes, [&](block_mxfp4& b) { b.e = static_cast<uint8_t>(112 + rng() % 30); });
       break;
@@ -89,9 +127,11 @@ inline std::vector<uint8_t> random_row_bytes(GgmlType type, int64_t n, std::mt19
 
 // Every type dsv4 decodes.
 inline const std::vector<GgmlType>& decodable_types() {
-  static const std::vector<GgmlType> types = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::I32,
-                                              GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
-                                              GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::IQ2_XXS, GgmlType::MXFP4};
+  static const std::vector<GgmlType> types = {
+      GgmlType::F32,    GgmlType::F16,    GgmlType::BF16,   GgmlType::I32,   GgmlType::Q8_0,   GgmlType::Q2_K,
+      GgmlType::Q3_K,   GgmlType::Q4_K,   GgmlType::Q5_K,   GgmlType::Q6_K,  GgmlType::IQ2_XXS, GgmlType::MXFP4,
+      GgmlType::Q4_0,   GgmlType::Q4_1,   GgmlType::Q5_0,   GgmlType::Q5_1,  GgmlType::IQ4_NL, GgmlType::IQ4_XS,
+      GgmlType::IQ2_XS, GgmlType::IQ2_S,  GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ1_S,  GgmlType::IQ1_M};
   return types;
 }
 

@@ -34,6 +34,7 @@ std::vector<float> reference_decode(GgmlType type, const std::vector<uint8_t>& b
     }
   };
   auto plain = [](const auto& blk, float* o) { quant::decode_block(blk, o); };
+  auto iq = [](const auto& blk, float* o) { quant::decode_block(blk, o, quant::host_iq_tables()); };
   switch (type) {
     case GgmlType::F32: std::memcpy(out.data(), p, static_cast<size_t>(n) * 4); break;
     case GgmlType::F16:
@@ -63,6 +64,18 @@ std::vector<float> reference_decode(GgmlType type, const std::vector<uint8_t>& b
         quant::decode_block(blk, o, quant::kIq2xxsGrid, quant::kIq2xxsSigns);
       });
       break;
+    case GgmlType::Q4_0: each(block_q4_0{}, QK4_0, iq); break;
+    case GgmlType::Q4_1: each(block_q4_1{}, QK4_0, iq); break;
+    case GgmlType::Q5_0: each(block_q5_0{}, QK4_0, iq); break;
+    case GgmlType::Q5_1: each(block_q5_1{}, QK4_0, iq); break;
+    case GgmlType::IQ4_NL: each(block_iq4_nl{}, QK4_0, iq); break;
+    case GgmlType::IQ4_XS: each(block_iq4_xs{}, QK_K, iq); break;
+    case GgmlType::IQ2_XS: each(block_iq2_xs{}, QK_K, iq); break;
+    case GgmlType::IQ2_S: each(block_iq2_s{}, QK_K, iq); break;
+    case GgmlType::IQ3_XXS: each(block_iq3_xxs{}, QK_K, iq); break;
+    case GgmlType::IQ3_S: each(block_iq3_s{}, QK_K, iq); break;
+    case GgmlType::IQ1_S: each(block_iq1_s{}, QK_K, iq); break;
+    case GgmlType::IQ1_M: each(block_iq1_m{}, QK_K, iq); break;
     default: ADD_FAILURE() << "no reference decode for " << name_of(type);
   }
   return out;
@@ -100,6 +113,17 @@ TEST(QuantBlocks, DequantizeExtremeFieldValues) {
         auto put = [&](size_t off) { std::memcpy(blk + off, &scales[b], 2); };
         switch (type) {
           case GgmlType::Q8_0: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::IQ2_XXS: put(0); break;
+          case GgmlType::Q4_0: case GgmlType::Q5_0: case GgmlType::IQ4_NL: case GgmlType::IQ4_XS:
+          case GgmlType::IQ2_XS: case GgmlType::IQ2_S: case GgmlType::IQ3_XXS: case GgmlType::IQ3_S:
+          case GgmlType::IQ1_S: put(0); break;
+          case GgmlType::Q4_1: case GgmlType::Q5_1: put(0); put(2); break;
+          case GgmlType::IQ1_M: {
+            block_iq1_m m;
+            std::memcpy(&m, blk, sizeof m);
+            test::set_iq1_m_scale(m, scales[b]);
+            std::memcpy(blk, &m, sizeof m);
+            break;
+          }
           case GgmlType::Q2_K: put(80); put(82); break;
           case GgmlType::Q3_K: put(108); break;
           case GgmlType::Q6_K: put(208); break;

@@ -98,7 +98,10 @@ TEST(CatalogTest, TypeClasses) {
   EXPECT_TRUE(type_allowed(TypeClass::Matrix, GgmlType::IQ2_XXS));
   EXPECT_TRUE(type_allowed(TypeClass::Matrix, GgmlType::MXFP4));
   EXPECT_TRUE(type_allowed(TypeClass::Matrix, GgmlType::BF16));
-  EXPECT_FALSE(type_allowed(TypeClass::Matrix, GgmlType::Q4_0));  // not decoded by dsv4
+  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q5_1, GgmlType::IQ1_S, GgmlType::IQ1_M, GgmlType::IQ2_XS,
+                     GgmlType::IQ2_S, GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ4_NL, GgmlType::IQ4_XS})
+    EXPECT_TRUE(type_allowed(TypeClass::Matrix, t)) << ggml_type_name(t);  // published files use them
+  EXPECT_FALSE(type_allowed(TypeClass::Matrix, GgmlType::TQ1_0));  // not decoded by dsv4
   EXPECT_FALSE(type_allowed(TypeClass::Matrix, GgmlType::I32));
   EXPECT_TRUE(type_allowed(TypeClass::Vector, GgmlType::F16));
   EXPECT_FALSE(type_allowed(TypeClass::Vector, GgmlType::Q8_0));

@@ -91,7 +91,7 @@ TEST(ConfigTest, PresetsAreValid) {
     EXPECT_TRUE(p->config.validate().is_ok()) << name << ": " << p->config.validate().message();
   }
   EXPECT_FALSE(find_preset("huge").is_ok());
-  EXPECT_NE(find_preset("huge").status().message().find("tiny, small, flash"), std::string::npos);
+  EXPECT_NE(find_preset("huge").status().message().find("tiny, interop, small, flash"), std::string::npos);
 }
 
 TEST(ConfigTest, FlashPresetMatchesTheOfficialSchedule) {

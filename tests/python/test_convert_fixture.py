@@ -156,7 +156,7 @@ class ConvertFixtureTest(unittest.TestCase):
 
     def convert(self, recipe, *extra):
         out = os.path.join(self.tmp.name, f"tiny-{recipe}.gguf")
-        r = subprocess.run([CLI, "convert", CHECKPOINT, "-o", out, "--recipe", recipe, "--force", *extra],
+        r = subprocess.run([CLI, "convert", CHECKPOINT, "-o", out, "--recipe", recipe, "--force", "--bundled", *extra],
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr + r.stdout)
         return gguf.GGUFReader(out), r.stdout

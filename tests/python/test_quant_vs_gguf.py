@@ -34,11 +34,29 @@ FP16_SCALE_OFFSETS = {
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
     T.IQ2_XXS: [0],
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.IQ4_NL: [0],
+    T.IQ4_XS: [0],
+    T.IQ2_XS: [0],
+    T.IQ2_S: [0],
+    T.IQ3_XXS: [0],
+    T.IQ3_S: [0],
+    T.IQ1_S: [0],
 }
-DEQUANT_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS, T.MXFP4]
+# IQ1_M has no scale field: the fp16 scale is the top nibbles of the four u16 words at 48..55.
+IQ1_M_SCALE_WORDS = 48
+DEQUANT_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS, T.MXFP4,
+                 T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.IQ4_XS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+                 T.IQ1_S, T.IQ1_M]
 QUANT_TYPES = [T.F16, T.BF16, T.Q8_0, T.MXFP4]
 TYPE_NAMES = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0", T.Q2_K: "q2_K", T.Q3_K: "q3_K",
-              T.Q4_K: "q4_K", T.Q5_K: "q5_K", T.Q6_K: "q6_K", T.IQ2_XXS: "iq2_xxs", T.MXFP4: "mxfp4"}
+              T.Q4_K: "q4_K", T.Q5_K: "q5_K", T.Q6_K: "q6_K", T.IQ2_XXS: "iq2_xxs", T.MXFP4: "mxfp4",
+              T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.IQ4_NL: "iq4_nl",
+              T.IQ4_XS: "iq4_xs", T.IQ2_XS: "iq2_xs", T.IQ2_S: "iq2_s", T.IQ3_XXS: "iq3_xxs", T.IQ3_S: "iq3_s",
+              T.IQ1_S: "iq1_s", T.IQ1_M: "iq1_m"}
 
 
 def sane_scales(rng: np.random.Generator, count: int) -> np.ndarray:
@@ -53,6 +71,12 @@ def random_blocks(rng: np.random.Generator, qtype: T, n_blocks: int) -> np.ndarr
     data = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
     for off in FP16_SCALE_OFFSETS.get(qtype, []):
         data[:, off:off + 2] = sane_scales(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
+    if qtype == T.IQ1_M:
+        d = sane_scales(rng, n_blocks).astype(np.uint16)
+        words = data[:, IQ1_M_SCALE_WORDS:IQ1_M_SCALE_WORDS + 8].copy().view(np.uint16)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        data[:, IQ1_M_SCALE_WORDS:IQ1_M_SCALE_WORDS + 8] = words.view(np.uint8)
     return data
 
 
@@ -130,7 +154,7 @@ def check_cli_errors(tmp: str) -> list[str]:
     out = os.path.join(tmp, "out.bin")
     cases = [
         (["dequant", "--type", "q9_9", short, out], "not a ggml type name"),
-        (["dequant", "--type", "q4_0", short, out], "does not decode"),
+        (["dequant", "--type", "tq1_0", short, out], "does not decode"),
         (["dequant", "--type", "q8_0", short, out], "not a whole number of q8_0 blocks"),
         (["quantize", "--type", "iq2_xxs", short, out], "no quantiser"),
         (["dequant", "--type", "q8_0", os.path.join(tmp, "missing.bin"), out], "cannot open"),

@@ -45,7 +45,9 @@ class SynthGgufTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.path = os.path.join(cls.tmp.name, "tiny.gguf")
-        subprocess.run([CLI, "synth", "--preset", "tiny", "--experts", "q2_K", "--dense", "q8_0",
+        # The bundled layout: every tensor in one file, read whole by gguf-py (the trunk +
+        # sidecar layout is covered by tests/model/test_model_files.cpp and tests/llamacpp/).
+        subprocess.run([CLI, "synth", "--preset", "tiny", "--experts", "q2_K", "--dense", "q8_0", "--bundled",
                         "--seed", str(SEED), "-o", cls.path], check=True, capture_output=True)
         cls.reader = gguf.GGUFReader(cls.path)
         cls.tensors = {t.name: t for t in cls.reader.tensors}

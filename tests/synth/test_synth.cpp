@@ -57,6 +57,7 @@ SynthOptions options(const ModelConfig& c, uint64_t seed) {
   o.config = c;
   o.seed = seed;
   o.write_tokenizer = false;
+  o.layout = WriteLayout::Bundled;  // one file, so the generator's output is checked whole
   return o;
 }
 

@@ -132,7 +132,8 @@ TEST(Tokenizer, LoadsFromGgufMetadataWrittenFromTokenizerJson) {
   }
   auto file = gguf::GgufFile::open(path);
   ASSERT_TRUE(file.is_ok()) << file.status().message();
-  EXPECT_EQ(*file->get_string("tokenizer.ggml.pre"), "deepseek-v3");
+  EXPECT_EQ(*file->get_string("tokenizer.ggml.pre"), "joyai-llm");  // llama.cpp's name for this tokenizer
+  EXPECT_EQ(*file->get_uint("tokenizer.ggml.padding_token_id"), 1u);
   EXPECT_EQ(*file->get_bool("tokenizer.ggml.add_bos_token"), false);
   auto tok = Tokenizer::from_gguf(*file);
   ASSERT_TRUE(tok.is_ok()) << tok.status().message();

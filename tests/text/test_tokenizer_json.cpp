@@ -23,7 +23,8 @@ TEST(BuiltinTokenizer, IsTheDeepSeekV4Table) {
   EXPECT_EQ(v.merges.size(), 127741u);
   EXPECT_EQ(v.bos_id, 0u);
   EXPECT_EQ(v.eos_id, 1u);
-  EXPECT_EQ(v.pad_id, 2u);
+  EXPECT_EQ(v.pad_id, 1u);  // the tokenizer_config's pad_token, as llama.cpp's converter writes it
+  EXPECT_EQ(v.pre, "joyai-llm");
   // Rows of the V4 added-token table (spec checkpoint-tokenizer-chat.md §4).
   const std::pair<uint32_t, const char*> rows[] = {
       {0, "<｜begin▁of▁sentence｜>"}, {1, "<｜end▁of▁sentence｜>"}, {2, "<｜▁pad▁｜>"},

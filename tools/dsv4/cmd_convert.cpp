@@ -25,6 +25,7 @@ struct ConvertCliOptions {
   std::string split_max_size;
   int threads = 0;
   bool force = false;
+  bool bundled = false;
   bool dry_run = false;
 };
 
@@ -126,6 +127,7 @@ int run_convert(const ConvertCliOptions& o) {
   opts.output = o.output;
   opts.recipe = *recipe;
   opts.split_max_bytes = *split;
+  opts.layout = o.bundled ? WriteLayout::Bundled : WriteLayout::TrunkAndSidecar;
   opts.threads = o.threads;
   opts.force = o.force;
   ProgressBar bar;
@@ -165,6 +167,8 @@ void register_convert(CLI::App& app, CommandRunner& run) {
   app.add_option("--split-max-size", o->split_max_size, "split the output into parts of at most SIZE (e.g. 50G)");
   app.add_option("--threads", o->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
   app.add_flag("--force", o->force, "replace an existing output file");
+  app.add_flag("--bundled", o->bundled,
+               "one file with the MTP block inside (default: llama.cpp's trunk + mtp-<name> sidecar)");
   app.add_flag("--dry-run", o->dry_run, "print the plan (types, sizes, fallbacks) from config.json only");
   run = [o] { return run_convert(*o); };
 }

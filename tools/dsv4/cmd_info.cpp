@@ -18,6 +18,7 @@
 #include "synth/builtin_model.h"
 #include "model/cache_layout.h"
 #include "model/config.h"
+#include "model/model_files.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
 #include "model/tensor_catalog.h"
@@ -27,6 +28,7 @@ namespace {
 
 struct InfoOptions {
   std::string file;
+  std::string mtp;
   std::string preset;
   uint64_t ctx = 0;  // 0: the model's training context
   uint32_t layers = 0;
@@ -203,36 +205,46 @@ int report_error(const Status& s) {
   return kExitFailure;
 }
 
-int info_for_file(const std::string& path, uint64_t ctx) {
-  gguf::OpenOptions open;
-  open.map_data = false;
-  auto file = gguf::GgufFile::open(path, open);
-  if (!file.is_ok()) return report_error(file.status());
-  auto arch = file->get_string("general.architecture");
-  fmt::print("file: {} ({} part{}, {}, GGUF v{})\n", path, file->part_paths().size(),
-             file->part_paths().size() == 1 ? "" : "s", bytes_both(file->file_bytes()), file->version());
+int info_for_file(const std::string& path, const std::string& mtp_path, uint64_t ctx) {
+  ModelFilesOptions fo;
+  fo.open.map_data = false;
+  fo.mtp_path = mtp_path;
+  auto files = ModelFiles::open(path, fo);
+  if (!files.is_ok()) return report_error(files.status());
+  const gguf::GgufFile& file = files->trunk();
+  auto arch = file.get_string("general.architecture");
+  fmt::print("file: {} ({} part{}, {}, GGUF v{})\n", path, file.part_paths().size(),
+             file.part_paths().size() == 1 ? "" : "s", bytes_both(file.file_bytes()), file.version());
+  if (const gguf::GgufFile* sidecar = files->sidecar())
+    fmt::print("MTP sidecar: {} ({}, GGUF v{})\n", sidecar->path(), bytes_both(sidecar->file_bytes()),
+               sidecar->version());
   fmt::print("architecture: {}\n", arch.is_ok() ? *arch : std::string("(missing)"));
-  auto config = ModelConfig::from_gguf(*file);
-  if (!config.is_ok()) return report_error(config.status());
-  if (!config->name.empty()) fmt::print("name: {}\n", config->name);
-  if (file->find(kSynthPresetKey)) {
-    auto preset = file->get_string(kSynthPresetKey);
-    auto seed = file->get_uint(kSynthSeedKey);
+  const ModelConfig& config = files->config();
+  fmt::print("layout: {}\n", model_layout_name(files->layout()));
+  fmt::print("MTP: {}\n", config.n_mtp == 0 ? std::string("none")
+                           : files->layout() == ModelLayout::TrunkAndSidecar
+                               ? fmt::format("{} block(s), from the sidecar", config.n_mtp)
+                               : fmt::format("{} block(s), in the file", config.n_mtp));
+  for (const std::string& note : files->notes()) fmt::print("note: {}\n", note);
+  if (!config.name.empty()) fmt::print("name: {}\n", config.name);
+  if (file.find(kSynthPresetKey)) {
+    auto preset = file.get_string(kSynthPresetKey);
+    auto seed = file.get_uint(kSynthSeedKey);
     fmt::print("synthetic: preset {}, seed {} (random weights)\n", preset.is_ok() ? *preset : "?",
                seed.is_ok() ? std::to_string(*seed) : "?");
   }
-  print_config(*config);
+  print_config(config);
 
-  const TensorCatalog catalog = build_tensor_catalog(*config);
+  const TensorCatalog catalog = build_tensor_catalog(config);
   std::vector<TensorEntry> entries;
-  for (const auto& t : file->tensors()) {
+  for (const auto& t : files->tensors()) {
     const TensorSpec* spec = catalog.find(t.name);
     entries.push_back({t.name, t.type, t.nbytes, spec ? std::optional(spec->role) : std::nullopt});
   }
   const uint64_t weight_bytes = print_tensors(entries, catalog.n_required());
-  const Status check = check_tensors(catalog, file->tensors(), path);
+  const Status check = files->check();
   fmt::print("catalog check: {}\n", check.is_ok() ? "ok" : check.message());
-  print_memory_plan(*config, weight_bytes, ctx ? ctx : config->context_length);
+  print_memory_plan(config, weight_bytes, ctx ? ctx : config.context_length);
   return check.is_ok() ? kExitOk : kExitFailure;
 }
 
@@ -279,11 +291,11 @@ int run_info(const InfoOptions& o) {
     fmt::print(stderr, "dsv4 info: --layers, --experts and --dense apply to --preset only\n");
     return kExitUsage;
   }
-  if (!o.file.empty()) return info_for_file(o.file, o.ctx);
+  if (!o.file.empty()) return info_for_file(o.file, o.mtp, o.ctx);
   auto builtin = ensure_builtin_model([](std::string_view line) { fmt::print(stderr, "dsv4: {}\n", line); });
   if (!builtin.is_ok()) return report_error(builtin.status());
   fmt::print("built-in model (no FILE given)\n");
-  return info_for_file(builtin->string(), o.ctx);
+  return info_for_file(builtin->string(), o.mtp, o.ctx);
 }
 
 }  // namespace
@@ -291,6 +303,7 @@ int run_info(const InfoOptions& o) {
 void register_info(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<InfoOptions>();
   app.add_option("file", o->file, "GGUF model file (any part of a split set); default: the built-in model");
+  app.add_option("--mtp", o->mtp, "MTP sidecar of a trunk-only file (default: mtp-*.gguf found next to it)");
   app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, small, flash");
   app.add_option("--ctx", o->ctx, "tokens per sequence for the cache plan (default: training context)")
       ->check(CLI::PositiveNumber);

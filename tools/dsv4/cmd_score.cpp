@@ -22,6 +22,7 @@ namespace {
 
 struct ScoreOptions {
   std::string model;
+  std::string mtp_file;
   std::string tokens;
   std::string output;
   int64_t chunk = 0;  // 0: the whole sequence in one call
@@ -71,6 +72,7 @@ Status run_score(const ScoreOptions& o) {
   ModelOptions mo;
   mo.qat = !o.no_qat;
   mo.matmul = o.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
+  mo.mtp_path = o.mtp_file;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, cpu, mo));
   const int64_t n = static_cast<int64_t>(tokens.size()), vocab = model->config().vocab_size;
   if (o.mtp && !model->has_mtp()) return Status::errorf("{}: the model has no MTP block", o.model);
@@ -109,6 +111,7 @@ Status run_score(const ScoreOptions& o) {
 void register_score(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<ScoreOptions>();
   app.add_option("-m,--model", o->model, "GGUF model file")->required();
+  app.add_option("--mtp-file", o->mtp_file, "MTP sidecar of a trunk-only model (default: mtp-*.gguf next to it)");
   app.add_option("--tokens", o->tokens, "file of whitespace-separated token ids")->required();
   app.add_option("-o,--output", o->output, "output .npy file (float32 [tokens, vocab])")->required();
   app.add_option("--chunk", o->chunk, "prefill chunk size (default: all tokens in one call)")

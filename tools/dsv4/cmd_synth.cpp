@@ -1,6 +1,7 @@
 // dsv4 synth: write a runnable `deepseek4` GGUF with seeded random weights of a preset's
 // geometry (tiny, small, or the full V4-Flash), streamed to disk.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
 #include <cstdio>
@@ -23,6 +24,7 @@ struct SynthCliOptions {
   std::string output;
   bool force = false;
   bool no_tokenizer = false;
+  bool bundled = false;
 };
 
 int fail(const Status& s) {
@@ -63,6 +65,7 @@ int run_synth(const SynthCliOptions& o) {
   opts.preset_name = o.preset;
   opts.overwrite = o.force;
   opts.write_tokenizer = !o.no_tokenizer;
+  opts.layout = o.bundled ? WriteLayout::Bundled : WriteLayout::TrunkAndSidecar;
 
   const auto start = std::chrono::steady_clock::now();
   int last_percent = -1;
@@ -80,7 +83,7 @@ int run_synth(const SynthCliOptions& o) {
   for (const auto& note : report->notes) fmt::print(stderr, "dsv4 synth: note: {}\n", note);
   fmt::print("wrote {}: preset {}, {} layers + {} MTP, experts {}, other matrices {}, seed {}, {} "
              "tensors, {} bytes of tensor data\n",
-             o.output, o.preset, opts.config.n_layers, opts.config.n_mtp,
+             fmt::join(report->paths, " + "), o.preset, opts.config.n_layers, opts.config.n_mtp,
              ggml_type_name(opts.expert_type), ggml_type_name(opts.dense_type), o.seed,
              report->n_tensors, report->data_bytes);
   return kExitOk;
@@ -99,6 +102,8 @@ void register_synth(CLI::App& app, CommandRunner& run) {
   app.add_option("-o,--output", o->output, "output .gguf file")->required();
   app.add_flag("--force", o->force, "replace an existing output file");
   app.add_flag("--no-tokenizer", o->no_tokenizer, "leave out the tokenizer metadata");
+  app.add_flag("--bundled", o->bundled,
+               "one file with the MTP block inside (default: llama.cpp's trunk + mtp-<name> sidecar)");
   run = [o] { return run_synth(*o); };
 }
 

@@ -36,6 +36,7 @@ Result<std::pair<int32_t, float>> parse_bias(const std::string& s) {
 void add_session_flags(CLI::App& app, SessionFlags& f) {
   app.add_option("-m,--model", f.model, "GGUF model file (default: the built-in tiny model, random weights)")
       ->check(CLI::ExistingFile);
+  app.add_option("--mtp", f.mtp, "MTP sidecar of a trunk-only model (default: mtp-*.gguf found next to it)");
   app.add_option("-t,--threads", f.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   app.add_option("--ctx", f.ctx, "context length in tokens (default: the model's, at most 16384)");
   app.add_flag("--fast", f.fast, "integer dot products on quantised activations (not the fp32 reference)");
@@ -115,6 +116,7 @@ Result<Session> open_session(const SessionFlags& f, const char* command) {
   s.cpu = std::make_unique<backend::CpuBackend>(f.threads);
   ModelOptions mo;
   mo.matmul = f.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
+  mo.mtp_path = f.mtp;
   DSV4_ASSIGN_OR_RETURN(s.model, Model::load(s.model_path, *s.cpu, mo));
   const size_t vocab = s.model->config().vocab_size;
   if (s.tokenizer->vocab_size() > vocab)

@@ -21,6 +21,7 @@ namespace dsv4::cli {
 
 struct SessionFlags {
   std::string model;  // empty: the built-in model
+  std::string mtp;    // --mtp FILE: the MTP sidecar of a trunk-only model
   int threads = 0;
   uint64_t ctx = 0;
   bool fast = false;
