@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_math.h"
 #include "backend/cuda/reference_math.cuh"
 
@@ -148,6 +149,101 @@ TEST(CudaReferenceMath, QatRoundingsBitIdentical) {
       ASSERT_TRUE(same(d[i], c[i])) << "fp4 trial " << trial << " element " << i << ": " << d[i] << " vs " << c[i];
     }
   }
+}
+
+
+// The per-element formulas of the hyper-connection kernels (ref::hc_collapse, hc_expand,
+// hc_head_weight, hc_split_sinkhorn) reproduce the CpuBackend's ops bit for bit, given the
+// CPU's gates where exp's last bit could differ: the products are fused exactly where GCC fuses
+// them in cpu_backend.cpp (a different compiler or flags there shows up here first).
+TEST(CudaReferenceMath, HyperConnectionKernelsFormulas) {
+  std::mt19937_64 rng(35);
+  std::normal_distribution<float> nd;
+  const int64_t n = 9, d = 40;
+  const int hc = 4, n_mix = (2 + hc) * hc, iters = 20;
+  backend::CpuBackend be(1);
+  auto tensor = [&](std::vector<int64_t> shape, float sd) {
+    auto t = be.alloc(GgmlType::F32, shape);
+    EXPECT_TRUE(t.is_ok());
+    float* p = static_cast<float*>(t->data);
+    for (int64_t i = 0; i < t->n_elements(); ++i) p[i] = sd * nd(rng);
+    return *t;
+  };
+  const auto f = [](const backend::Tensor& t) { return static_cast<const float*>(t.data); };
+  const backend::Tensor streams = tensor({n, hc * d}, 1.0f), mixes = tensor({n, n_mix}, 3.0f),
+                        base = tensor({n_mix}, 0.5f), scale = tensor({3}, 1.0f), y = tensor({n, d}, 1.0f);
+  const backend::Tensor x = tensor({n, d}, 0.0f), post = tensor({n, hc}, 0.0f), comb = tensor({n, hc * hc}, 0.0f);
+  ASSERT_TRUE(be.hc_pre(streams, mixes, scale, base, hc, iters, 1e-6f, 1e-6f, x, post, comb).is_ok());
+  const float* S = f(streams);
+  for (int64_t s = 0; s < n; ++s) {
+    const float rho = cpu::inverse_rms(S + s * hc * d, hc * d, 1e-6f);
+    float pre[hc], p[hc], c[hc * hc];
+    cpu::hc_split_sinkhorn(f(mixes) + s * n_mix, rho, f(scale), f(base), hc, iters, 1e-6f, pre, p, c);
+    for (int64_t i = 0; i < d; ++i)
+      ASSERT_TRUE(same(ref::hc_collapse(S + s * hc * d + i, d, pre, hc), f(x)[s * d + i]))
+          << "hc_pre collapse row " << s << " col " << i;
+  }
+  const std::vector<float> old(S, S + n * hc * d);
+  ASSERT_TRUE(be.hc_post(y, post, comb, hc, streams).is_ok());
+  for (int64_t s = 0; s < n; ++s)
+    for (int k = 0; k < hc; ++k)
+      for (int64_t i = 0; i < d; ++i) {
+        float col[hc];
+        for (int j = 0; j < hc; ++j) col[j] = old[s * hc * d + j * d + i];
+        const float want = S[s * hc * d + k * d + i];
+        ASSERT_TRUE(same(ref::hc_expand(f(post)[s * hc + k], f(y)[s * d + i], f(comb) + s * hc * hc + k, hc, col, hc), want))
+            << "hc_post row " << s << " stream " << k << " col " << i;
+      }
+  const backend::Tensor head_mix = tensor({n, hc}, 3.0f), head_base = tensor({hc}, 0.5f), head_scale = tensor({1}, 1.0f);
+  const backend::Tensor h = tensor({n, d}, 0.0f);
+  ASSERT_TRUE(be.hc_head(streams, head_mix, head_scale, head_base, hc, 1e-6f, 1e-6f, h).is_ok());
+  int64_t gates = 0, gates_differ = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const float rho = cpu::inverse_rms(S + s * hc * d, hc * d, 1e-6f);
+    float w[hc], wc[hc];
+    for (int j = 0; j < hc; ++j) {
+      w[j] = ref::hc_head_weight(f(head_mix)[s * hc + j], rho, f(head_scale)[0], f(head_base)[j], 1e-6f);
+      // The same gate with glibc's expf, as the CPU computes it.
+      wc[j] = ref::add(ref::div(1.0f, ref::add(1.0f, std::exp(-ref::fma(ref::mul(f(head_mix)[s * hc + j], rho),
+                                                                         f(head_scale)[0], f(head_base)[j])))),
+                       1e-6f);
+      ++gates;
+      gates_differ += !same(w[j], wc[j]);
+    }
+    for (int64_t i = 0; i < d; ++i)
+      ASSERT_TRUE(same(ref::hc_collapse(S + s * hc * d + i, d, wc, hc), f(h)[s * d + i])) << "hc_head row " << s << " col " << i;
+  }
+  EXPECT_LE(gates_differ * 20, gates) << gates_differ << " of " << gates << " hc_head gates differ in exp's last bit";
+}
+
+// RoPE through the CpuBackend (whose rotation GCC vectorises without fusing) against
+// ref::rope_pair given the CPU's sin and cos.
+TEST(CudaReferenceMath, RopeKernelFormula) {
+  std::mt19937_64 rng(36);
+  std::normal_distribution<float> nd;
+  backend::CpuBackend be(1);
+  backend::RopeParams p;
+  p.dims = 64;
+  const int64_t n = 17, head = 96, heads = 2;
+  auto x = be.alloc(GgmlType::F32, std::vector<int64_t>{n, head * heads});
+  auto pos = be.alloc(GgmlType::I32, std::vector<int64_t>{n});
+  ASSERT_TRUE(x.is_ok() && pos.is_ok());
+  float* xp = static_cast<float*>(x->data);
+  int32_t* pp = static_cast<int32_t*>(pos->data);
+  for (int64_t i = 0; i < n * head * heads; ++i) xp[i] = nd(rng);
+  for (int64_t r = 0; r < n; ++r) pp[r] = static_cast<int32_t>(rng() % 100000);
+  const std::vector<float> in(xp, xp + n * head * heads);
+  ASSERT_TRUE(be.rope(*x, head, *pos, p, false).is_ok());
+  const std::vector<float> omega = cpu::rope_frequencies(p);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int i = 0; i < p.dims / 2; ++i) {
+        const int64_t at = r * head * heads + (h + 1) * head - p.dims + 2 * i;
+        const float angle = ref::mul(static_cast<float>(pp[r]), omega[i]);
+        const float c = std::cos(angle), sn = std::sin(angle), a = in[at], b = in[at + 1];
+        const float v0 = ref::sub(ref::mul(a, c), ref::mul(b, sn)), v1 = ref::add(ref::mul(a, sn), ref::mul(b, c));
+        ASSERT_TRUE(same(v0, xp[at]) && same(v1, xp[at + 1])) << "rope row " << r << " head " << h << " pair " << i;
+      }
 }
 
 }  // namespace

@@ -5,10 +5,9 @@
 // Every kernel here computes the CPU backend's function (cpu_backend.cpp, cpu_math.h) in the
 // same fp32 operations where that is cheap: reductions of squares in double (the CPU sums in
 // double too, so the rounded result agrees to the bit in all but near-tie cases), exp, sin and
-// cos in double rounded once to f32 (the correctly rounded value, which glibc's f32 functions
-// return in nearly every case), products and sums with the contractions GCC makes on the CPU
-// side (fmaf where it fuses, __fmul_rn/__fadd_rn where it does not). docs/CUDA.md lists the
-// bound each op's test asserts.
+// cos in double rounded once to f32, products and sums fused exactly where GCC fuses them on
+// the CPU side (reference_math.cuh, checked by tests/backend/test_cuda_reference_math.cpp).
+// docs/CUDA.md lists the bound each op's test asserts.
 #include "backend/cuda/cuda_backend.h"
 
 #include <cuda_bf16.h>
@@ -192,11 +191,7 @@ __global__ void hc_pre_kernel(Mat<float> streams, Mat<float> mixes, const float*
   if (threadIdx.x == 0)
     ref::hc_split_sinkhorn(mixes.row(s), rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < n_hc; ++j) acc = fmaf(pre[j], X[j * width + i], acc);
-    x.row(s)[i] = acc;
-  }
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, pre, n_hc);
 }
 
 // X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
@@ -209,11 +204,7 @@ __global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, i
     const float* p = post.row(s);
     const float* c = comb.row(s);
     const float a = y.row(s)[i];
-    for (int k = 0; k < n_hc; ++k) {
-      float acc = __fmul_rn(p[k], a);
-      for (int j = 0; j < n_hc; ++j) acc = fmaf(c[j * n_hc + k], old[j], acc);
-      X[k * width + i] = acc;
-    }
+    for (int k = 0; k < n_hc; ++k) X[k * width + i] = ref::hc_expand(p[k], a, c + k, n_hc, old, n_hc);
   }
 }
 
@@ -228,14 +219,10 @@ __global__ void hc_head_kernel(Mat<float> streams, Mat<float> mixes, const float
   const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
   if (threadIdx.x < n_hc) {
     const int j = threadIdx.x;
-    w[j] = ref::add(ref::sigmoid(ref::fma(ref::mul(mixes.row(s)[j], rho), scale[0], base[j])), hc_eps);
+    w[j] = ref::hc_head_weight(mixes.row(s)[j], rho, scale[0], base[j], hc_eps);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < n_hc; ++j) acc = fmaf(w[j], X[j * width + i], acc);
-    x.row(s)[i] = acc;
-  }
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, w, n_hc);
 }
 
 // ---- QAT --------------------------------------------------------------------------------------

@@ -136,6 +136,28 @@ DSV4_HOST_DEVICE inline void hc_split_sinkhorn(const float* mixes, float rho, co
   for (int i = 0; i < n * n; ++i) comb[i] = c[i];
 }
 
+// cpu::hc_collapse for one column: sum_j w[j] * X[j * stride], each product rounded before
+// its addition (GCC 12 does not fuse this loop in CpuBackend::hc_pre / hc_head).
+DSV4_HOST_DEVICE inline float hc_collapse(const float* X, int64_t stride, const float* w, int n) {
+  float acc = 0.0f;
+  for (int j = 0; j < n; ++j) acc = add(acc, mul(w[j], X[j * stride]));
+  return acc;
+}
+
+// CpuBackend::hc_post for one output: post * y + sum_j comb[j * comb_stride] * old[j], the
+// sum fused (GCC does fuse this one).
+DSV4_HOST_DEVICE inline float hc_expand(float post, float y, const float* comb, int comb_stride, const float* old,
+                                        int n) {
+  float acc = mul(post, y);
+  for (int j = 0; j < n; ++j) acc = fma(comb[j * comb_stride], old[j], acc);
+  return acc;
+}
+
+// CpuBackend::hc_head's gate: sigmoid(mix * rho * scale + base) + eps, the last product fused.
+DSV4_HOST_DEVICE inline float hc_head_weight(float mix, float rho, float scale, float base, float eps) {
+  return add(sigmoid(fma(mul(mix, rho), scale, base)), eps);
+}
+
 // 2^ceil(log2(v)) for v > 0 (cpu_math.cpp's pow2_ceil).
 DSV4_HOST_DEVICE inline float pow2_ceil(float v) {
   int e = 0;
