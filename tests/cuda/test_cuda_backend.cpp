@@ -8,13 +8,11 @@
 // Quantized products.
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "backend/cuda/matvec.h"
 #include "backend_test_util.h"
 #include "cuda_test_util.h"
 #include "gguf/quant.h"
-#include "model/config.h"
 
 namespace dsv4::cuda::test {
 namespace {
@@ -236,8 +234,10 @@ class CudaMatmul : public CudaBackendOps {
 TEST_F(CudaMatmul, ExactEveryTypeOddShapesStridedViews) {
   for (GgmlType type : kAllWeightTypes) {
     const int64_t block = ggml_traits(type).block_elems;
-    // k past two 1024-chunks (the flush between partial sums) and a short k.
-    const int64_t ks[] = {block == 1 ? 100 : row_length(type, block == 256 ? 2 : 3), block == 256 ? 2304 : 2272};
+    // A short k and a long one with a partial last tile of 128; plain types also with the
+    // 8-wide and scalar tails of the CPU's dot_plain (100 = 96 + 4, 2071 = 2048 + 2*8 + 7).
+    const int64_t ks[] = {block == 1 ? 100 : row_length(type, block == 256 ? 2 : 3),
+                          block == 1 ? 2071 : block == 256 ? 2304 : 2272};
     for (int64_t k : ks)
       for (int64_t m : {1, 5, 8, 9, 70}) {
         const uint64_t seed = seed_for(300 + static_cast<uint64_t>(type) * 100 + k + m);

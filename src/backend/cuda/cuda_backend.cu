@@ -273,6 +273,8 @@ CudaBackend::Impl::~Impl() {
   if (stream) cudaStreamSynchronize(stream);
   for (const Chunk& c : chunks) cudaFree(c.ptr);
   for (const RopeTable& t : rope_tables) cudaFree(t.omega);
+  for (const Reusable* r : {&bf16_weights, &bf16_activations})
+    if (r->ptr) cudaFree(r->ptr);
   if (pinned) cudaFreeHost(pinned);
   if (host_errors) cudaFreeHost(host_errors);
   if (device_errors) cudaFree(device_errors);
@@ -303,6 +305,24 @@ Result<void*> CudaBackend::Impl::scratch_bytes(size_t bytes) {
   void* p = static_cast<uint8_t*>(chunks.back().ptr) + chunk_used;
   chunk_used += need;
   return p;
+}
+
+Result<void*> CudaBackend::Impl::reusable(Reusable& r, size_t bytes) {
+  if (r.bytes >= bytes && r.ptr != nullptr) return r.ptr;
+  DSV4_CUDA_TRY(cudaStreamSynchronize(stream));  // nothing queued may still use the old buffer
+  if (r.ptr) DSV4_CUDA_TRY(cudaFree(r.ptr));
+  r.ptr = nullptr;
+  r.bytes = 0;
+  const size_t size = align_up(bytes, size_t{1} << 20);
+  const cudaError_t err = cudaMalloc(&r.ptr, size);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    r.ptr = nullptr;
+    return Status::errorf(StatusCode::kResourceExhausted, "cuda: cannot allocate a work buffer of {} bytes: {}", size,
+                          cudaGetErrorString(err));
+  }
+  r.bytes = size;
+  return r.ptr;
 }
 
 Status CudaBackend::Impl::stage_upload(void* device, const void* host, size_t bytes) {
@@ -637,19 +657,25 @@ Status matvec_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<flo
 }
 
 // More rows: BF16 weights (dequantised per chunk of output rows) times BF16 activations on
-// cuBLASLt, f32 out; chunks of at most 256 MB of BF16 weights, rows padded to 8.
+// cuBLASLt, f32 out; chunks of at most 256 MB of BF16 weights, rows padded to 8. The BF16
+// copies live in the backend's reusable buffers; the product goes straight into y when y is
+// a contiguous [rows, n] with n a multiple of 8 and one chunk covers it.
 Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y) {
   const int64_t rows = x.rows, n = w.n, k = w.k;
-  DSV4_ASSIGN_OR_RETURN(void* a_raw, m.scratch_bytes(static_cast<size_t>(rows * k) * sizeof(__nv_bfloat16)));
+  DSV4_ASSIGN_OR_RETURN(void* a_raw, m.reusable(m.bf16_activations, static_cast<size_t>(rows * k) * sizeof(__nv_bfloat16)));
   auto* a = static_cast<__nv_bfloat16*>(a_raw);
   f32_to_bf16_rows_kernel<<<cudaops::grid_for(rows * k), 256, 0, m.stream>>>(x, a);
   DSV4_CUDA_TRY_LAUNCH();
   const int64_t by_bytes = std::max<int64_t>(64, ((int64_t{256} << 20) / (k * 2)) / 64 * 64);
   const int64_t chunk = std::min(by_bytes, (n + 7) / 8 * 8);
-  DSV4_ASSIGN_OR_RETURN(void* wb_raw, m.scratch_bytes(static_cast<size_t>(chunk * k) * sizeof(__nv_bfloat16)));
-  DSV4_ASSIGN_OR_RETURN(void* c_raw, m.scratch_bytes(static_cast<size_t>(rows * chunk) * sizeof(float)));
+  const bool direct = chunk >= n && n % 8 == 0 && y.ld == n && reinterpret_cast<uintptr_t>(y.p) % kAlign == 0;
+  DSV4_ASSIGN_OR_RETURN(void* wb_raw, m.reusable(m.bf16_weights, static_cast<size_t>(chunk * k) * sizeof(__nv_bfloat16)));
+  float* c = y.p;
+  if (!direct) {
+    DSV4_ASSIGN_OR_RETURN(void* c_raw, m.scratch_bytes(static_cast<size_t>(rows * chunk) * sizeof(float)));
+    c = static_cast<float*>(c_raw);
+  }
   auto* wb = static_cast<__nv_bfloat16*>(wb_raw);
-  auto* c = static_cast<float*>(c_raw);
   for (int64_t o0 = 0; o0 < n; o0 += chunk) {
     const int64_t nc = std::min(chunk, n - o0), padded = (nc + 7) / 8 * 8;
     const uint8_t* src = w.data + o0 * w.row_bytes;
@@ -669,7 +695,7 @@ Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float
                                     m.stream));
     DSV4_TRY(cuda::gemm_bf16(m.cublas_lt, a, wt, c, rows, padded, k, m.cublas_lt_workspace,
                              cuda::kCublasLtWorkspaceBytes, m.stream));
-    DSV4_TRY(copy_matrix(m, y.p + o0, y.ld, c, padded, rows, nc));
+    if (!direct) DSV4_TRY(copy_matrix(m, y.p + o0, y.ld, c, padded, rows, nc));
   }
   return Status::ok();
 }

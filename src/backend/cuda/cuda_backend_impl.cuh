@@ -82,10 +82,21 @@ struct CudaBackend::Impl {
   };
   std::vector<RopeTable> rope_tables;
 
+  // Device buffers one op at a time uses for its internal work and the next op may reuse
+  // (ops run in stream order): the BF16 copies of a prefill product's weights and activations.
+  // They only grow (the host waits for the stream first), so a step's addresses repeat.
+  struct Reusable {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  Reusable bf16_weights, bf16_activations;
+
   ~Impl();
 
   // Raw scratch bytes for an op's internal workspace, valid until the next begin_step().
   Result<void*> scratch_bytes(size_t bytes);
+  // `r` with at least `bytes` bytes (grown on first need).
+  Result<void*> reusable(Reusable& r, size_t bytes);
   // Host bytes into device memory through the pinned staging buffer, in stream order.
   Status stage_upload(void* device, const void* host, size_t bytes);
   // The device copy of the frequencies for p (uploaded on the first call with p).
