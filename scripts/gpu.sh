@@ -89,7 +89,7 @@ grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|Failure|error|seed" "$out/test_cu
 if command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer memcheck (small checks)"
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
-    --gtest_filter='Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q2_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K' \
+    --gtest_filter='Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q2_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:CudaAttentionOps.*:Cases/CudaAttention.*tiny_hca:Cases/CudaIndexer.*tiny' \
     >"$out/memcheck.log" 2>&1
   rc=$?; echo "memcheck exit $rc"; [ $rc -eq 0 ] || { status=1; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -10; }
 fi

@@ -6,8 +6,11 @@
 // 790 TFLOP/s BF16 for Fast) to the time.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <numeric>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -85,6 +88,25 @@ DeviceRows make_rows(int64_t rows, int64_t cols, std::vector<Buffer*>& keep, uin
   return {b->get<float>(), rows, cols, cols};
 }
 
+// Per-call time of fn: run once (first-use set-up), then `calls` calls captured into one
+// graph, replayed (launch gaps between a step's kernels are a graph's, not the host's).
+double time_calls(cudaStream_t stream, const std::function<void()>& fn, int calls, int iters) {
+  fn();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  const cudaGraphExec_t graph = capture(stream, [&] {
+    for (int i = 0; i < calls; ++i) fn();
+  });
+  const double us = time_us(stream, [&] { BENCH_CUDA(cudaGraphLaunch(graph, stream)); }, iters);
+  cudaGraphExecDestroy(graph);
+  return us / calls;
+}
+
+// DSV4_BENCH_ONLY=<regular expression>: run only the cases whose name it matches.
+bool wanted(const std::string& name) {
+  const char* only = std::getenv("DSV4_BENCH_ONLY");
+  return only == nullptr || std::regex_search(name, std::regex(only));
+}
+
 const char* precision_name(AttentionPrecision p) { return p == AttentionPrecision::Exact ? "exact" : "fast"; }
 
 void report_case(const std::string& name, double us, double bytes, double flops, AttentionPrecision p,
@@ -101,6 +123,7 @@ void report_case(const std::string& name, double us, double bytes, double flops,
 // Attention over window + compressed keys: `seqs` sequences of `rows` rows ending at `end`.
 void attention_case(const std::string& name, int ratio, bool csa, int64_t seqs, int64_t rows, int64_t end,
                     const Bandwidth& bw, cudaStream_t stream) {
+  if (!wanted(name)) return;
   std::vector<Buffer*> keep;
   const Step st = make_step(seqs, rows, end, keep);
   const int64_t n = st.n, entries = ratio ? end / ratio : 0;
@@ -154,9 +177,9 @@ void attention_case(const std::string& name, int ratio, bool csa, int64_t seqs, 
     AttentionPlan plan;
     check_status(plan_attention(a, m, p, &plan), "plan_attention");
     Buffer ws(std::max<size_t>(plan.workspace_bytes, 16));
-    const double us = time_us(stream, [&] {
+    const double us = time_calls(stream, [&] {
       check_status(attention(a, m, plan, ws.p, plan.workspace_bytes, stream), "attention");
-    }, n > 256 ? 3 : 20);
+    }, n > 256 ? 2 : 20, n > 256 ? 3 : 10);
     const double bytes = keys * kDim * 4 + 2.0 * n * kHeads * kDim * 4;
     const double flops = keys * kHeads * kDim * 4.0;
     char extra[120];
@@ -170,6 +193,7 @@ void attention_case(const std::string& name, int ratio, bool csa, int64_t seqs, 
 // Indexer scores over every visible key, then the top-512, for `seqs` x `rows` rows ending at `end`.
 void indexer_case(const std::string& name, int64_t seqs, int64_t rows, int64_t end, const Bandwidth& bw,
                   cudaStream_t stream) {
+  if (!wanted(name + " indexer")) return;
   std::vector<Buffer*> keep;
   const Step st = make_step(seqs, rows, end, keep);
   const int64_t n = st.n, cols = end / 4;
@@ -190,14 +214,15 @@ void indexer_case(const std::string& name, int64_t seqs, int64_t rows, int64_t e
   for (int64_t r = 0; r < n; ++r) visible += (st.pos[r] + 1) / 4;
   const StepMeta m = st.meta_dev();
   for (AttentionPrecision p : {AttentionPrecision::Exact, AttentionPrecision::Fast}) {
-    const double us = time_us(stream, [&] { check_status(indexer_scores(a, m, p, stream), "indexer_scores"); },
-                              n > 256 ? 3 : 20);
+    const double us = time_calls(stream, [&] { check_status(indexer_scores(a, m, p, stream), "indexer_scores"); },
+                                 n > 256 ? 2 : 20, n > 256 ? 3 : 10);
     report_case(name + " indexer scores", us, visible * kIndexDim * 4 + double(n) * cols * 4,
                 visible * kIndexHeads * kIndexDim * 2.0, p, bw, "");
   }
-  const double us = time_us(stream, [&] {
-    check_status(top_k(a.scores, 4, m, kTop, idx.get<int32_t>(), kTop, stream), "top_k");
-  }, n > 256 ? 3 : 20);
+  Buffer top_ws(std::max<size_t>(top_k_workspace_bytes(a.scores, 4, m, kTop), 16));
+  const double us = time_calls(stream, [&] {
+    check_status(top_k(a.scores, 4, m, kTop, idx.get<int32_t>(), kTop, top_ws.p, top_ws.bytes, stream), "top_k");
+  }, n > 256 ? 2 : 20, n > 256 ? 3 : 10);
   char note[200];
   const double bytes = visible * 4;
   std::snprintf(note, sizeof note, "%.1f MB of scores; bound %.1f us at the read bandwidth", bytes / 1e6,

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -216,6 +217,13 @@ struct Dev {
   return ::testing::AssertionFailure() << msg.str();
 }
 
+// Expects `r` and prints its message (the worst row's error), so the log records the
+// errors actually reached, not only that they were within the bound.
+void expect_and_log(const ::testing::AssertionResult& r) {
+  EXPECT_TRUE(r);
+  std::printf("[ error  ] %s\n", r.message());
+}
+
 template <class T>
 ::testing::AssertionResult identical(const std::vector<T>& got, const std::vector<T>& want, int64_t cols,
                                      const std::string& what) {
@@ -361,7 +369,7 @@ TEST_P(CudaAttention, KernelsMatchCpu) {
   const std::vector<float> want = attention_on(cpu, c, a);
   cuda::AttentionPlan plan;
   const std::vector<float> exact = attention_raw(c, a, AttentionPrecision::Exact, &plan);
-  EXPECT_TRUE(rows_close(exact, want, int64_t{c.heads} * c.d, kExactBound, "exact attention " + c.name));
+  expect_and_log(rows_close(exact, want, int64_t{c.heads} * c.d, kExactBound, "exact attention " + c.name));
   if (c.name == "long hca decode") {
     EXPECT_GT(plan.splits, 8) << "the decode rows should be split";
   }
@@ -370,8 +378,8 @@ TEST_P(CudaAttention, KernelsMatchCpu) {
   }
   const std::vector<float> fast = attention_raw(c, a, AttentionPrecision::Fast, &plan);
   EXPECT_EQ(plan.tensor_cores, c.d == 256 || c.d == 512);
-  EXPECT_TRUE(rows_close(fast, want, int64_t{c.heads} * c.d, c.d == 384 ? kExactBound : kFastAttentionBound,
-                         "fast attention " + c.name));
+  expect_and_log(rows_close(fast, want, int64_t{c.heads} * c.d, c.d == 384 ? kExactBound : kFastAttentionBound,
+                            "fast attention " + c.name));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaAttention, ::testing::Range(0, static_cast<int>(attention_cases().size())),
@@ -491,7 +499,9 @@ void compressor_streams(const CompressCase& cc, uint64_t seed, RunStep run) {
     std::vector<float> pooled_g(st.n * cc.w, kNaN);
     run(st, kvc, scc, ape, R, cc.overlap, skv_g, ssc_g, pooled_g);
     const std::string what = "step " + std::to_string(step_no);
-    EXPECT_TRUE(rows_close(pooled_g, c.read(pooled_c), cc.w, kExactBound, "pooled rows, " + what));
+    const auto pooled_ok = rows_close(pooled_g, c.read(pooled_c), cc.w, kExactBound, "pooled rows, " + what);
+    EXPECT_TRUE(pooled_ok);
+    if (step_no == 0) std::printf("[ error  ] %s\n", pooled_ok.message());
     EXPECT_TRUE(identical(skv_g, c.read(skv_c.data), wide, "state kv after " + what));
     EXPECT_TRUE(identical(ssc_g, c.read(ssc_c.data), wide, "state score after " + what));
     if (::testing::Test::HasFailure()) return;
@@ -576,7 +586,12 @@ std::vector<int32_t> top_k_on(Backend& be, const HostStep& hs, const std::vector
 std::vector<int32_t> top_k_raw(const HostStep& hs, const std::vector<float>& scores, int64_t cols, int ratio, int k) {
   Dev dev;
   int32_t* idx = dev.put(std::vector<int32_t>(hs.n * k, 0x12345678));
-  EXPECT_TRUE(cuda::top_k(dev.rows(scores, cols), ratio, dev.step(hs), k, idx, k, nullptr).is_ok());
+  const cuda::DeviceRows sc = dev.rows(scores, cols);
+  const cuda::StepMeta m = dev.step(hs);
+  DeviceBuffer ws(std::max<size_t>(cuda::top_k_workspace_bytes(sc, ratio, m, k), 16));
+  ws.poison();
+  const Status st = cuda::top_k(sc, ratio, m, k, idx, k, ws.get(), ws.bytes(), nullptr);
+  EXPECT_TRUE(st.is_ok()) << st.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return Dev::get(idx, hs.n * k);
 }
@@ -617,8 +632,8 @@ TEST_P(CudaIndexer, ScoresAndTopKMatchCpu) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> got = Dev::get(a.scores.data, want.size());
     const bool exact = pr == AttentionPrecision::Exact;
-    EXPECT_TRUE(rows_close(got, want, d.cols, exact ? kExactBound : kFastIndexerBound,
-                           std::string(exact ? "exact" : "fast") + " indexer scores " + c.name));
+    expect_and_log(rows_close(got, want, d.cols, exact ? kExactBound : kFastIndexerBound,
+                              std::string(exact ? "exact" : "fast") + " indexer scores " + c.name));
     for (int64_t r = 0; r < d.st.n; ++r) {  // -inf past each row's visible count, exactly
       const int64_t vis = d.st.row_seq[r] < 0 ? 0 : (d.st.pos[r] + 1) / c.ratio;
       for (int64_t b = vis; b < d.cols; ++b)
@@ -668,9 +683,15 @@ TEST(CudaAttentionOps, TopKIdenticalWithPlantedTies) {
   const int64_t cols = st.max_end / 4;
   const std::vector<float> scores = tie_scores(st, cols, rng);
   CpuBackend cpu;
-  for (int k : {512, 3, 2048})
+  for (int k : {512, 3, 2048, 20000})  // 20000: one phase, a row past the shared-memory stage
     EXPECT_TRUE(identical(top_k_raw(st, scores, cols, 4, k), top_k_on(cpu, st, scores, cols, 4, k), k,
                           "top_k k=" + std::to_string(k)));
+  // A max_end that understates the longest row (chunks planned for 20,001 scores): that row
+  // still gets its exact selection.
+  HostStep understated = st;
+  understated.max_end = 80004;
+  EXPECT_TRUE(identical(top_k_raw(understated, scores, cols, 4, 512), top_k_on(cpu, st, scores, cols, 4, 512), 512,
+                        "top_k, max_end understated"));
 }
 
 // ---- CUDA graphs and argument errors ----------------------------------------------------------
@@ -708,9 +729,12 @@ TEST(CudaAttentionOps, GraphReplayMatchesEager) {
     ASSERT_OK(cuda::plan_attention(args, m, pr, &plan));
     ASSERT_GT(plan.splits, 1);
     DeviceBuffer ws(plan.workspace_bytes);
+    const size_t top_bytes = cuda::top_k_workspace_bytes(scores, c.ratio, m, 512);
+    ASSERT_GT(top_bytes, 0u) << "the two-phase top-k should be captured too";
+    DeviceBuffer top_ws(top_bytes);
     const auto run = [&] {
       ASSERT_OK(cuda::attention(args, m, plan, ws.get(), plan.workspace_bytes, stream));
-      ASSERT_OK(cuda::top_k(scores, c.ratio, m, 512, idx, 512, stream));
+      ASSERT_OK(cuda::top_k(scores, c.ratio, m, 512, idx, 512, top_ws.get(), top_bytes, stream));
     };
     run();
     ASSERT_CUDA(cudaStreamSynchronize(stream));

@@ -318,8 +318,15 @@ __global__ void __launch_bounds__(256, 1) attention_exact_kernel(const Attention
 }
 
 // Merges the splits of one (row, head): M = max m_s, out = sum_s e^(m_s-M) O_s /
-// (sum_s e^(m_s-M) l_s + e^(sink-M)). Block: d/4 threads, one float4 of the output each.
+// (sum_s e^(m_s-M) l_s + e^(sink-M)). Block: d/4 threads, one float4 of the output each. The
+// splits' (m, l) are loaded in parallel into shared memory and their weights computed once,
+// so the partial rows are independent loads rather than a chain of dependent ones.
+constexpr int kCombineMaxSplits = 1024;
+
 __global__ void attention_combine_kernel(const AttentionKernelArgs p) {
+  __shared__ float weight[kCombineMaxSplits];
+  __shared__ float2 ml_s[kCombineMaxSplits];
+  __shared__ float den_s;
   const AttentionArgs& a = p.a;
   const int r = blockIdx.x, h = blockIdx.y, c = threadIdx.x * 4;
   float* dst = a.out + static_cast<int64_t>(r) * a.out_ld + static_cast<int64_t>(h) * a.d + c;
@@ -328,22 +335,36 @@ __global__ void attention_combine_kernel(const AttentionKernelArgs p) {
     return;
   }
   const int64_t at0 = static_cast<int64_t>(r) * p.splits * a.heads + h;
-  float mx = kNegInf;
-  for (int sp = 0; sp < p.splits; ++sp) mx = fmaxf(mx, p.part_ml[2 * (at0 + static_cast<int64_t>(sp) * a.heads)]);
-  float l = 0.0f;
+  for (int sp = threadIdx.x; sp < p.splits; sp += blockDim.x)
+    ml_s[sp] = *reinterpret_cast<const float2*>(p.part_ml + 2 * (at0 + static_cast<int64_t>(sp) * a.heads));
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float mx = kNegInf;
+    for (int sp = threadIdx.x; sp < p.splits; sp += 32) mx = fmaxf(mx, ml_s[sp].x);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+    float l = 0.0f;
+    for (int sp = threadIdx.x; sp < p.splits; sp += 32) {
+      const float w = ml_s[sp].x == kNegInf ? 0.0f : expf(ml_s[sp].x - mx);  // an empty split weighs nothing
+      weight[sp] = w;
+      l += ml_s[sp].y * w;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(kFullMask, l, off);
+    if (threadIdx.x == 0) den_s = l + expf(a.sink[h] - mx);
+  }
+  __syncthreads();
   float4 acc = splat4(0.0f);
+#pragma unroll 8
   for (int sp = 0; sp < p.splits; ++sp) {
-    const int64_t at = at0 + static_cast<int64_t>(sp) * a.heads;
-    const float2 ml = *reinterpret_cast<const float2*>(p.part_ml + 2 * at);
-    const float w = ml.x == kNegInf ? 0.0f : expf(ml.x - mx);  // an empty split weighs nothing
-    const float4 po = *reinterpret_cast<const float4*>(p.part_o + at * a.d + c);
-    l += ml.y * w;
+    const float4 po = *reinterpret_cast<const float4*>(p.part_o + (at0 + static_cast<int64_t>(sp) * a.heads) * a.d + c);
+    const float w = weight[sp];
     acc.x += po.x * w;
     acc.y += po.y * w;
     acc.z += po.z * w;
     acc.w += po.w * w;
   }
-  const float den = l + expf(a.sink[h] - mx);
+  const float den = den_s;
   *reinterpret_cast<float4*>(dst) = make_float4(acc.x / den, acc.y / den, acc.z / den, acc.w / den);
 }
 

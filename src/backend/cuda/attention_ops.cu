@@ -51,7 +51,15 @@ Status allow_smem(Kernel* kernel, const DeviceLimits& l) {
   const auto key = std::make_pair(l.device, reinterpret_cast<const void*>(kernel));
   std::lock_guard<std::mutex> lock(mu);
   if (done.count(key)) return Status::ok();
-  DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, l.smem_per_block));
+  cudaFuncAttributes attr{};
+  cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  if (err == cudaSuccess)  // the cap covers dynamic memory only: the static part comes off the limit
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               l.smem_per_block - static_cast<int>(attr.sharedSizeBytes));
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not left behind for the next launch check
+    return cuda_status(err, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)", __FILE__, __LINE__);
+  }
   done[key] = true;
   return Status::ok();
 }
@@ -122,14 +130,16 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
     return Status::errorf("attention: {} bytes of shared memory per block, the device allows {}", smem, lim.smem_per_block);
   p.head_groups = static_cast<int>(ceil_div(a.heads, p.heads_per_block));
   if (p.head_groups > 65535) return Status::errorf("attention: {} heads exceed the launch limit", a.heads);
-  // Key splits (flash-decoding) until the rows' blocks fill the GPU once.
+  // Key splits (flash-decoding) while the rows' blocks leave resident slots free, never
+  // more blocks than one wave holds (a second, partial wave would cost a whole one).
   const int64_t per_sm = std::max<int64_t>(
       1, std::min<int64_t>(lim.smem_per_sm / static_cast<int64_t>(smem + 1024), 65536 / (threads * 224)));
   const int64_t capacity = lim.sms * per_sm, blocks = m.n * p.head_groups;
   int64_t splits = 1;
-  if (blocks > 0 && blocks < capacity && tiles_max > 1) splits = std::min(tiles_max, ceil_div(capacity, blocks));
+  if (blocks > 0 && 2 * blocks <= capacity && tiles_max > 1) splits = std::min(tiles_max, capacity / blocks);
   p.tiles_per_split = static_cast<int>(std::max<int64_t>(1, ceil_div(tiles_max, splits)));
   p.splits = static_cast<int>(std::max<int64_t>(1, ceil_div(tiles_max, p.tiles_per_split)));
+  if (p.splits > attn::kCombineMaxSplits) return Status::errorf("attention: {} splits (limit {})", p.splits, attn::kCombineMaxSplits);
   if (p.splits > 1)
     p.workspace_bytes = align256(static_cast<size_t>(m.n) * p.splits * a.heads * a.d * sizeof(float)) +
                         align256(static_cast<size_t>(m.n) * p.splits * a.heads * 2 * sizeof(float));
@@ -301,20 +311,59 @@ Status indexer_scores(const IndexerArgs& a, const StepMeta& m, AttentionPrecisio
   return Status::ok();
 }
 
+namespace {
+// Chunks per row of the two-phase top-k (0: one phase): rows past kTopKTwoPhaseFrom scores,
+// chunks of at least kTopKChunk, all candidates of a row staged in the second phase.
+struct TopKPlan {
+  int64_t v_max = 0;
+  int chunks = 0, chunk = 0;
+};
+TopKPlan plan_top_k(const DeviceRows& scores, int ratio, const StepMeta& m, int k) {
+  TopKPlan p;
+  p.v_max = ratio > 0 ? std::min<int64_t>(scores.cols, m.max_end / ratio) : 0;
+  if (p.v_max > attn::kTopKTwoPhaseFrom && 2 * int64_t{k} <= attn::kTopKStageMax) {
+    p.chunks = static_cast<int>(std::min<int64_t>(ceil_div(p.v_max, attn::kTopKChunk), attn::kTopKStageMax / k));
+    p.chunk = static_cast<int>(ceil_div(p.v_max, p.chunks));
+  }
+  return p;
+}
+}  // namespace
+
+size_t top_k_workspace_bytes(const DeviceRows& scores, int ratio, const StepMeta& m, int k) {
+  const TopKPlan p = plan_top_k(scores, ratio, m, k);
+  return static_cast<size_t>(m.n) * p.chunks * k * sizeof(int32_t);
+}
+
 Status top_k(const DeviceRows& scores, int ratio, const StepMeta& m, int k, int32_t* idx, int64_t idx_ld,
-             cudaStream_t stream) {
+             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   DSV4_TRY(check_meta(m, "top_k"));
   if (ratio <= 0 || k <= 0) return Status::errorf("top_k: ratio {}, k {}", ratio, k);
   if (m.n == 0) return Status::ok();
   DSV4_TRY(check_rows(scores, "top_k", "scores", -1, false));
-  if (scores.cols > INT_MAX) return Status::errorf("top_k: {} scores per row (limit {})", scores.cols, INT_MAX);
+  if (scores.cols > INT_MAX / 2) return Status::errorf("top_k: {} scores per row (limit {})", scores.cols, INT_MAX / 2);
   if (!idx || idx_ld < k) return Status::errorf("top_k: idx rows of {} for k {}", idx_ld, k);
+  const TopKPlan plan = plan_top_k(scores, ratio, m, k);
+  const size_t need = static_cast<size_t>(m.n) * plan.chunks * k * sizeof(int32_t);
+  if (need > workspace_bytes || (need && !workspace))
+    return Status::errorf("top_k: workspace of {} bytes, {} needed", workspace_bytes, need);
+  if (plan.chunks > 65535) return Status::errorf("top_k: {} chunks per row (limit 65535)", plan.chunks);
   DSV4_ASSIGN_OR_RETURN(const DeviceLimits lim, device_limits());
-  const int64_t v_max = std::min<int64_t>(scores.cols, m.max_end / ratio);
-  attn::TopKKernelArgs a{scores, ratio, m, k, idx, idx_ld, 0};
-  a.stage_cap = static_cast<int>(std::clamp<int64_t>(v_max, 1, attn::kTopKStageMax));
+  attn::TopKKernelArgs a{scores, ratio, m, k, idx, idx_ld};
+  a.chunks = plan.chunks;
+  a.chunk = plan.chunk;
+  a.cand = static_cast<int32_t*>(workspace);
+  if (plan.chunks > 0) {
+    a.stage_cap = std::min(plan.chunk, attn::kTopKStageMax);
+    DSV4_TRY(allow_smem(attn::top_k_chunk_kernel<1024>, lim));
+    attn::top_k_chunk_kernel<1024><<<dim3(static_cast<unsigned>(m.n), static_cast<unsigned>(plan.chunks)), 1024,
+                                     static_cast<size_t>(a.stage_cap) * sizeof(uint32_t), stream>>>(a);
+    DSV4_CUDA_TRY_LAUNCH();
+    a.stage_cap = plan.chunks * k;
+  } else {
+    a.stage_cap = static_cast<int>(std::clamp<int64_t>(plan.v_max, 1, attn::kTopKStageMax));
+  }
   const size_t smem = static_cast<size_t>(a.stage_cap) * sizeof(uint32_t);
-  if (v_max > 8192) {
+  if (plan.chunks > 0 || plan.v_max > 2048) {
     DSV4_TRY(allow_smem(attn::top_k_kernel<1024>, lim));
     attn::top_k_kernel<1024><<<static_cast<unsigned>(m.n), 1024, smem, stream>>>(a);
   } else {

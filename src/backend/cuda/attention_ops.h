@@ -127,8 +127,10 @@ struct IndexerArgs {
 };
 Status indexer_scores(const IndexerArgs& a, const StepMeta& m, AttentionPrecision precision, cudaStream_t stream);
 
-// idx [n][idx_ld], the first k columns written.
+// idx [n][idx_ld], the first k columns written. Long rows are selected in two phases whose
+// candidates need top_k_workspace_bytes (0 for short rows).
+size_t top_k_workspace_bytes(const DeviceRows& scores, int ratio, const StepMeta& m, int k);
 Status top_k(const DeviceRows& scores, int ratio, const StepMeta& m, int k, int32_t* idx, int64_t idx_ld,
-             cudaStream_t stream);
+             void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace dsv4::cuda

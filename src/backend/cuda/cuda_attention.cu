@@ -174,7 +174,12 @@ Status CudaBackend::top_k(const Tensor& scores, int ratio, const StepRows& rows,
   if (idx.type != GgmlType::I32 || idx.rows() < n || idx.cols() < k)
     return Status::errorf("top_k: idx {} cannot hold {} x {}", idx.describe(), n, k);
   DSV4_ASSIGN_OR_RETURN(const DeviceRows ir, rows_of(idx, "top_k", "idx", n, -1, GgmlType::I32));
-  return cuda::top_k(sc, ratio, m, k, reinterpret_cast<int32_t*>(ir.data), ir.ld, impl_->stream);
+  const size_t bytes = cuda::top_k_workspace_bytes(sc, ratio, m, k);
+  void* workspace = nullptr;
+  if (bytes) {
+    DSV4_ASSIGN_OR_RETURN(workspace, impl_->scratch_bytes(bytes));
+  }
+  return cuda::top_k(sc, ratio, m, k, reinterpret_cast<int32_t*>(ir.data), ir.ld, workspace, bytes, impl_->stream);
 }
 
 }  // namespace dsv4::backend
