@@ -722,6 +722,7 @@ TEST(CudaAttentionOps, GraphReplayMatchesEager) {
   const int64_t cols = a.st.max_end / c.ratio;
   const cuda::DeviceRows scores = dev.rows(dsv4::test::random_normal(n * cols, rng), cols);
   int32_t* idx = dev.put(std::vector<int32_t>(n * 512, 0));
+  ASSERT_OK(cuda::prepare_attention_kernels());
   cudaStream_t stream;
   ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (AttentionPrecision pr : {AttentionPrecision::Exact, AttentionPrecision::Fast}) {

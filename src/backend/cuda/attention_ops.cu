@@ -98,6 +98,22 @@ Status check_paged(const DevicePaged& p, const char* op, int64_t width) {
 void set_attention_precision(AttentionPrecision precision) { g_precision.store(static_cast<int>(precision)); }
 AttentionPrecision attention_precision() { return static_cast<AttentionPrecision>(g_precision.load()); }
 
+Status prepare_attention_kernels() {
+  DSV4_ASSIGN_OR_RETURN(const DeviceLimits lim, device_limits());
+  DSV4_TRY(allow_smem(attn::attention_exact_kernel<1>, lim));
+  DSV4_TRY(allow_smem(attn::attention_exact_kernel<2>, lim));
+  DSV4_TRY(allow_smem(attn::attention_exact_kernel<3>, lim));
+  DSV4_TRY(allow_smem(attn::attention_exact_kernel<4>, lim));
+  DSV4_TRY(allow_smem(attn::attention_mma_kernel<256>, lim));
+  DSV4_TRY(allow_smem(attn::attention_mma_kernel<512>, lim));
+  DSV4_TRY(allow_smem(attn::indexer_exact_kernel, lim));
+  DSV4_TRY(allow_smem(attn::indexer_mma_kernel<128>, lim));
+  DSV4_TRY(allow_smem(attn::top_k_kernel<256>, lim));
+  DSV4_TRY(allow_smem(attn::top_k_kernel<1024>, lim));
+  DSV4_TRY(allow_smem(attn::top_k_chunk_kernel<1024>, lim));
+  return Status::ok();
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecision precision, AttentionPlan* plan) {

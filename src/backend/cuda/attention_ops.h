@@ -32,6 +32,11 @@ enum class AttentionPrecision : int { Exact = 0, Fast = 1 };
 void set_attention_precision(AttentionPrecision precision);
 AttentionPrecision attention_precision();
 
+// Queries the device and raises the shared-memory caps of every kernel here (what their
+// first launch would otherwise do). Call once before a graph capture may see their first
+// launch (CudaBackend::create); idempotent.
+Status prepare_attention_kernels();
+
 // backend::StepRows on the device.
 struct StepMeta {
   int64_t n = 0;              // rows
