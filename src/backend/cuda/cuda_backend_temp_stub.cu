@@ -4,7 +4,6 @@
 // uploads, downloads, fill, scratch. Every other operation reports that it is missing.
 #include <cstring>
 
-#include "backend/cuda/attention_ops.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_backend_impl.cuh"
 
@@ -46,7 +45,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   c.bytes = options.scratch_bytes;
   DSV4_CUDA_TRY(cudaMalloc(&c.ptr, c.bytes));
   impl->chunks.push_back(c);
-  DSV4_TRY(cuda::prepare_attention_kernels());
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
