@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mode="${1:-run}"
-targets=(test_cuda cuda_bench_matvec cuda_bench_moe cuda_bench_prefill)
+targets=(test_cuda cuda_bench_matvec cuda_bench_moe cuda_bench_prefill cuda_bench_attention)
 stage=build-gpu-bin
 
 build() {  # $1: build dir, $2: jobs
@@ -89,21 +89,22 @@ grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|Failure|error|seed" "$out/test_cu
 if command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer memcheck (small checks)"
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
-    --gtest_filter='Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q2_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:CudaBackendOps.GetRows*:CudaBackendOps.RmsNorm*:CudaBackendOps.HyperConnections:CudaBackendOps.Hadamard*:CudaBackendOps.Route*:CudaBackendOps.CopyRows*' \
+    --gtest_filter='Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q2_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:CudaBackendOps.GetRows*:CudaBackendOps.RmsNorm*:CudaBackendOps.HyperConnections:CudaBackendOps.Hadamard*:CudaBackendOps.Route*:CudaBackendOps.CopyRows*:CudaAttentionOps.*:Cases/CudaAttention.*tiny_hca:Cases/CudaIndexer.*tiny' \
     >"$out/memcheck.log" 2>&1
   rc=$?; echo "memcheck exit $rc"; [ $rc -eq 0 ] || { status=1; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -10; }
 fi
-# DSV4_GPU_BENCHES="matvec moe" runs only those benchmarks (default: all three).
-for b in matvec:240 moe:150 prefill:120; do
+# DSV4_GPU_BENCHES="matvec moe" runs only those benchmarks (default: all four).
+for b in matvec:240 moe:150 prefill:120 attention:180; do
   name=${b%%:*}; limit=${b##*:}
-  case " ${DSV4_GPU_BENCHES:-matvec moe prefill} " in *" $name "*) ;; *) continue ;; esac
+  case " ${DSV4_GPU_BENCHES:-matvec moe prefill attention} " in *" $name "*) ;; *) continue ;; esac
   echo "== cuda_bench_$name"
   timeout "$limit" "$bin/cuda_bench_$name" >"$out/bench_$name.log" 2>&1 || { status=1; echo "cuda_bench_$name failed:"; tail -5 "$out/bench_$name.log"; }
 done
 
 echo
 echo "== table (value, ratio: matvec GB/s over the copy bandwidth; moe decode us, byte bound over time;"
-echo "   moe batched us, weight GB/s over the read bandwidth; prefill TFLOP/s over cuBLAS BF16)"
+echo "   moe batched us, weight GB/s over the read bandwidth; prefill TFLOP/s over cuBLAS BF16;"
+echo "   attention us, the byte or FLOP bound over time)"
 cat "$out"/bench_*.log | grep '^TABLE|' | tee "$out/table.txt" |
   awk -F'|' '{printf "%-9s %-52s %10s %-7s %6s  %s\n", $2, $3, $4, $5, $6, $7}'
 grep -E "^\[  (PASSED|FAILED) " "$out/test_cuda.log"
