@@ -88,13 +88,19 @@ echo "== test_cuda"
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|Failure|error|seed" "$out/test_cuda.log" | head -60
 if command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer memcheck (small checks)"
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
-    --gtest_filter='Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q2_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K' \
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
+    --gtest_filter='Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q3_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:Types/MmqTest.OddShapes*:Types/MmqTest.KSplit*/q8_0' \
     >"$out/memcheck.log" 2>&1
   rc=$?; echo "memcheck exit $rc"; [ $rc -eq 0 ] || { status=1; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -10; }
+  # Shared-memory hazards of the staged kernels (tensor-core tiles, fused decode experts).
+  echo "== compute-sanitizer racecheck (shared-memory kernels)"
+  timeout 240 compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
+    --gtest_filter='Types/MmqTest.OddShapes*/q2_K:Types/MmqTest.KSplit*/q3_K:Types/MoeTest.*q2_K_q3_K' \
+    >"$out/racecheck.log" 2>&1
+  rc=$?; echo "racecheck exit $rc"; [ $rc -eq 0 ] || { status=1; grep -E "ERROR SUMMARY|Race|FAILED" "$out/racecheck.log" | head -10; }
 fi
 # DSV4_GPU_BENCHES="matvec moe" runs only those benchmarks (default: all three).
-for b in matvec:240 moe:150 prefill:120; do
+for b in matvec:420 moe:300 prefill:120; do
   name=${b%%:*}; limit=${b##*:}
   case " ${DSV4_GPU_BENCHES:-matvec moe prefill} " in *" $name "*) ;; *) continue ;; esac
   echo "== cuda_bench_$name"
