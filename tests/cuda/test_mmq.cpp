@@ -130,10 +130,11 @@ TEST_P(MmqTest, OddShapesAllColumnTiles) {
   const int64_t block = ggml_traits(type).block_elems;
   const int64_t k_odd = block == 256 ? 768 : 224;  // 224: a partial last stage of 7 blocks
   const int64_t pad = alignment(type);
-  // 1 to 64 rows (column tiles 1, 2, 4, 8 and partial ones), rows past n (37, 130), batches
-  // whose matrices start off 16-byte boundaries.
+  // 1 to 64 rows (column tiles 1, 2, 4 (24 rows), 8 and partial ones), rows past n (37, 130),
+  // batches whose matrices start off 16-byte boundaries.
   for (const Case& c : {Case{37, k_odd, 1, 1, 0}, Case{37, k_odd, 1, 2, 0}, Case{130, k_odd, 2, 9, pad},
-                        Case{64, 2 * k_odd, 1, 16, 0}, Case{70, k_odd, 1, 33, 0}, Case{5, k_odd, 3, 64, 3 * pad},
+                        Case{64, 2 * k_odd, 1, 16, 0}, Case{70, k_odd, 1, 24, 0}, Case{70, k_odd, 1, 33, 0},
+                        Case{5, k_odd, 3, 64, 3 * pad},
                         Case{129, 3 * k_odd, 1, 5, 0}})
     run_case(type, c, rng, false);
 }
