@@ -22,7 +22,10 @@
 // depends on it.
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/matvec_launch.cuh"
@@ -322,13 +325,32 @@ int64_t stage_target_bytes() {
   return v >= 256 && v <= 32768 ? v : 4096;
 }
 
+// Raises a kernel's dynamic shared-memory limit when a launch needs more than any before it
+// (a function attribute: set once per size, not on every call).
+Status allow_shared_bytes(const void* kernel, int64_t bytes) {
+  static std::mutex mutex;
+  static std::vector<std::pair<const void*, int64_t>> allowed;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto& entry : allowed) {
+    if (entry.first != kernel) continue;
+    if (entry.second < bytes) {
+      DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+      entry.second = bytes;
+    }
+    return Status::ok();
+  }
+  DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allowed.emplace_back(kernel, bytes);
+  return Status::ok();
+}
+
 template <GgmlType T, int S>
 Status launch_gate_up(const DecodeArgs& a, int pairs, cudaStream_t stream) {
   auto kernel = &moe_decode_gate_up_kernel<T, S>;
   const int64_t smem = int64_t{kGateUpWarps} * kDecodeStages * 2 * a.gu_segment + a.x_padded +
                        (a.x_padded / 32) * 4 + 32 * 4;
   if (smem > kMaxSharedBytes) return Status::error("moe_experts (decode): gate/up stages of " + std::to_string(smem) + " bytes");
-  DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  DSV4_TRY(allow_shared_bytes(reinterpret_cast<const void*>(kernel), smem));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(int64_t{pairs} * (a.ffn / 32)));
   config.blockDim = dim3(kGateUpWarps * 32);
@@ -350,7 +372,7 @@ Status launch_down(const DecodeArgs& a, int tokens, cudaStream_t stream) {
   auto kernel = &moe_decode_down_kernel<T, S>;
   const int64_t smem = int64_t{a.top_k} * kDecodeStages * a.dn_segment + int64_t{a.top_k} * a.dn_rows_per_block * 4;
   if (smem > kMaxSharedBytes) return Status::error("moe_experts (decode): down stages of " + std::to_string(smem) + " bytes");
-  DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  DSV4_TRY(allow_shared_bytes(reinterpret_cast<const void*>(kernel), smem));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(int64_t{tokens} * a.dn_blocks_per_token));
   config.blockDim = dim3(a.top_k * 32);
