@@ -105,17 +105,20 @@ inline std::vector<float> dequantize(GgmlType type, const uint8_t* rows, int64_t
   return out;
 }
 
-// The activations exactly as quantize_activations_q8 rounds them (d = max|x|/127,
-// q = round-half-even(x/d)), dequantised: the reference the integer kernels should hit
-// to f32 rounding.
+// The activations exactly as the kernels round them (src/backend/cuda/q8_block.cuh:
+// d = max|x|/127, q = round-half-even(x * (127/max|x|))), dequantised: the reference the
+// integer kernels should hit to f32 rounding.
 inline std::vector<float> q8_round_trip(const std::vector<float>& x) {
   std::vector<float> out(x.size());
   for (size_t b = 0; b < x.size(); b += 32) {
     float amax = 0.0f;
     for (size_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b + i]));
     const float d = amax / 127.0f;
-    for (size_t i = 0; i < 32; ++i)
-      out[b + i] = amax > 0.0f ? static_cast<float>(std::nearbyint(x[b + i] / d)) * d : 0.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (size_t i = 0; i < 32; ++i) {
+      volatile float scaled = x[b + i] * inv;  // one f32 product, as on the device
+      out[b + i] = static_cast<float>(std::nearbyint(scaled)) * d;
+    }
   }
   return out;
 }
