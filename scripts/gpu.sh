@@ -26,9 +26,10 @@ build() {  # $1: build dir, $2: jobs
 
 if [ "$mode" = prepare ]; then
   set -e
-  build build-cuda "${DSV4_JOBS:-2}"
+  dir="${DSV4_GPU_BUILD_DIR:-build-cuda}"  # any build dir configured with -DDSV4_CUDA=ON
+  build "$dir" "${DSV4_JOBS:-2}"
   rm -rf "$stage" && mkdir -p "$stage/lib" "$stage/compat"
-  cp build-cuda/tests/test_cuda build-cuda/bench/cuda_bench_* "$stage/"
+  cp "$dir"/tests/test_cuda "$dir"/bench/cuda_bench_* "$stage/"
   # Libraries outside the C runtime and the CUDA toolkit's large ones (cuBLAS comes from the
   # GPU machine's toolkit); libstdc++ separately, used only if the GPU machine's is older.
   for bin in "$stage"/test_cuda "$stage"/cuda_bench_*; do

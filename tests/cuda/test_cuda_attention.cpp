@@ -64,7 +64,7 @@ HostStep make_step(const std::vector<SeqDesc>& seqs, int64_t padding) {
   for (size_t s = 0; s < seqs.size(); ++s) {
     h.row0.push_back(static_cast<int64_t>(h.pos.size()));
     h.meta.insert(h.meta.end(), {static_cast<int32_t>(h.pos.size()), static_cast<int32_t>(seqs[s].n),
-                                 static_cast<int32_t>(seqs[s].pos0), seqs[s].slot});
+                                 static_cast<int32_t>(seqs[s].pos0), seqs[s].slot, 0});
     for (int64_t i = 0; i < seqs[s].n; ++i) {
       h.pos.push_back(static_cast<int32_t>(seqs[s].pos0 + i));
       h.row_seq.push_back(static_cast<int32_t>(s));

@@ -19,11 +19,16 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // ---- shared helpers ---------------------------------------------------------------------
 
 struct Seq {
-  int first_row, rows, first_pos, slot;
+  int first_row, rows, first_pos, slot, window_start;
 };
 __device__ __forceinline__ Seq load_seq(const int32_t* seqs, int s) {
-  const int32_t* f = seqs + 4 * static_cast<int64_t>(s);
-  return {f[0], f[1], f[2], f[3]};
+  const int32_t* f = seqs + kStepSeqFields * static_cast<int64_t>(s);
+  return {f[0], f[1], f[2], f[3], f[4]};
+}
+
+// A slot's first existing row of a paged list (grafts), 0 without a table.
+__device__ __forceinline__ int64_t first_row_of(const DevicePaged& p, int64_t slot) {
+  return p.first_row && slot >= 0 && slot < p.slots ? p.first_row[slot] : 0;
 }
 
 __device__ __forceinline__ float* row_ptr(const DeviceRows& m, int64_t row) { return m.data + row * m.ld; }
@@ -63,6 +68,7 @@ struct RowKeys {
   int64_t t = 0;
   Seq sq{};
   int64_t nw = 0, n_keys = 0, visible = 0;
+  int64_t first = 0;  // first existing compressed entry (grafts)
   bool too_many = false;  // more keys than the plan (StepRows::max_end too small): NaN row
 };
 
@@ -71,9 +77,12 @@ __device__ __forceinline__ RowKeys row_keys(const AttentionArgs& a, const StepMe
   RowKeys k;
   k.t = m.positions[r];
   k.sq = load_seq(m.seqs, s);
-  k.nw = k.t + 1 < a.window ? k.t + 1 : a.window;
+  const int64_t since_start = k.t - k.sq.window_start + 1;  // positions with KV up to t
+  k.nw = since_start < a.window ? (since_start > 0 ? since_start : 0) : a.window;
   k.visible = a.ratio > 0 ? (k.t + 1) / a.ratio : 0;
-  const int64_t nc = a.ratio > 0 ? (a.selected ? a.top : k.visible) : 0;
+  k.first = a.ratio > 0 && !a.selected ? first_row_of(a.entries, k.sq.slot) : 0;
+  if (k.first > k.visible) k.first = k.visible;
+  const int64_t nc = a.ratio > 0 ? (a.selected ? a.top : k.visible - k.first) : 0;
   k.n_keys = k.nw + nc;
   if (k.n_keys > max_keys) {
     k.too_many = true;
@@ -105,7 +114,7 @@ __device__ __forceinline__ const float* key_row(const AttentionArgs& a, const St
     return row_ptr(a.ring, int64_t{k.sq.slot} * a.window + pos % a.window);
   }
   const int64_t j = i - k.nw;
-  int64_t e = j;
+  int64_t e = k.first + j;
   if (a.selected) {
     e = a.selected[static_cast<int64_t>(r) * a.selected_ld + j];
     if (e == -1) {
@@ -113,7 +122,7 @@ __device__ __forceinline__ const float* key_row(const AttentionArgs& a, const St
       return nullptr;
     }
   }
-  if (e < 0 || e >= k.visible) return nullptr;
+  if (e < first_row_of(a.entries, k.sq.slot) || e >= k.visible) return nullptr;
   const float* p = paged_row(a.entries, k.sq.slot, e);
   if (p) *kind = kKeyValid;
   return p;
@@ -667,6 +676,37 @@ __global__ void __launch_bounds__(kIndexThreads) indexer_exact_kernel(const Inde
     }
     __syncthreads();
   }
+}
+
+// ---- grafts -------------------------------------------------------------------------------
+
+// Row blockIdx.x: scores of entries below its slot's first row are -inf.
+__global__ void mask_absent_scores_kernel(const DevicePaged keys, const StepMeta m, const DeviceRows scores) {
+  const int r = blockIdx.x, s = m.row_seq[r];
+  if (s < 0) return;
+  const int64_t first = first_row_of(keys, load_seq(m.seqs, s).slot);
+  const int64_t end = first < scores.cols ? first : scores.cols;
+  for (int64_t b = threadIdx.x; b < end; b += blockDim.x) row_ptr(scores, r)[b] = kNegInf;
+}
+
+// Row blockIdx.x (one warp): drops selected entries whose score is -inf, keeping the others
+// in order and padding with -1.
+__global__ void drop_absent_selections_kernel(const DeviceRows scores, int32_t* idx, int64_t idx_ld, int k) {
+  const int r = blockIdx.x, lane = threadIdx.x;
+  int32_t* row = idx + static_cast<int64_t>(r) * idx_ld;
+  const float* sc = row_ptr(scores, r);
+  int kept = 0;  // entries kept before this lane's chunk
+  for (int base = 0; base < k; base += 32) {
+    const int j = base + lane;
+    const int32_t e = j < k ? row[j] : -1;
+    const bool keep = e >= 0 && e < scores.cols && sc[e] != kNegInf;
+    const unsigned mask = __ballot_sync(kFullMask, keep);
+    __syncwarp();
+    if (keep) row[kept + __popc(mask & ((1u << lane) - 1))] = e;
+    kept += __popc(mask);
+    __syncwarp();
+  }
+  for (int j = kept + lane; j < k; j += 32) row[j] = -1;
 }
 
 }  // namespace dsv4::cuda::attn

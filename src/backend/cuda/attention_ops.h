@@ -37,6 +37,10 @@ AttentionPrecision attention_precision();
 // launch (CudaBackend::create); idempotent.
 Status prepare_attention_kernels();
 
+// Fields per sequence of StepMeta::seqs (backend::kSeqFields): first row, rows, first
+// position, slot, window start.
+constexpr int kStepSeqFields = 5;
+
 // backend::StepRows on the device.
 struct StepMeta {
   int64_t n = 0;              // rows
@@ -44,7 +48,7 @@ struct StepMeta {
   int64_t max_end = 0;        // host bound on (last position + 1)
   const int32_t* positions = nullptr;  // [n]
   const int32_t* row_seq = nullptr;    // [n], -1 = padding
-  const int32_t* seqs = nullptr;       // [n_seqs][4]: first row, rows, first position, slot
+  const int32_t* seqs = nullptr;       // [n_seqs][kStepSeqFields]
 };
 
 // An F32 matrix on the device: rows `ld` elements apart.
@@ -63,6 +67,7 @@ struct DevicePaged {
   int64_t max_pages = 0;
   int64_t table_ld = 0;
   int64_t page_rows = 0;
+  const int32_t* first_row = nullptr;  // [slots]: rows below it do not exist (grafts); null: 0
 };
 
 struct AttentionArgs {
@@ -116,6 +121,13 @@ struct CompressArgs {
 Status compress(const CompressArgs& a, const StepMeta& m, cudaStream_t stream);
 
 Status block_positions(const StepMeta& m, int ratio, int32_t* out, cudaStream_t stream);
+
+// Grafts: scores of entries below a slot's first row become -inf (after indexer_scores), and
+// selected entries whose score is -inf are dropped (after top_k, keeping the ascending
+// order and the -1 padding).
+Status mask_absent_scores(const DevicePaged& keys, const StepMeta& m, const DeviceRows& scores, cudaStream_t stream);
+Status drop_absent_selections(const DeviceRows& scores, const StepMeta& m, int32_t* idx, int64_t idx_ld, int k,
+                              cudaStream_t stream);
 Status store_entries(const DeviceRows& pooled, int ratio, const StepMeta& m, const DevicePaged& dst,
                      cudaStream_t stream);
 

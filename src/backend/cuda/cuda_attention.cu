@@ -57,8 +57,15 @@ Result<DevicePaged> paged_of(const PagedRows& p, const char* op, int64_t width) 
                           op, p.pool.describe(), p.page_rows, p.page_table.describe(), width);
   DSV4_ASSIGN_OR_RETURN(const DeviceRows pool, rows_of(p.pool, op, "paged pool", -1, width));
   DSV4_ASSIGN_OR_RETURN(const DeviceRows table, rows_of(p.page_table, op, "page table", -1, -1, GgmlType::I32));
-  return DevicePaged{pool, reinterpret_cast<const int32_t*>(table.data), table.rows, table.cols, table.ld, p.page_rows};
+  if (p.first_row.valid() &&
+      (p.first_row.type != GgmlType::I32 || p.first_row.n_elements() < table.rows || !p.first_row.contiguous()))
+    return Status::errorf(StatusCode::kInternal, "{}: paged rows: first_row {} for {} slots", op, p.first_row.describe(),
+                          table.rows);
+  return DevicePaged{pool,      reinterpret_cast<const int32_t*>(table.data), table.rows, table.cols, table.ld,
+                     p.page_rows, p.first_row.valid() ? static_cast<const int32_t*>(p.first_row.data) : nullptr};
 }
+
+static_assert(kSeqFields == cuda::kStepSeqFields, "the step metadata layout of backend.h and attention_ops.h");
 
 }  // namespace
 
@@ -163,7 +170,8 @@ Status CudaBackend::indexer_scores(const Tensor& q, const Tensor& w, const Paged
   a.heads = static_cast<int>(n_heads);
   a.dk = static_cast<int>(dk);
   a.ratio = ratio;
-  return cuda::indexer_scores(a, m, cuda::attention_precision(), impl_->stream);
+  DSV4_TRY(cuda::indexer_scores(a, m, cuda::attention_precision(), impl_->stream));
+  return cuda::mask_absent_scores(a.keys, m, a.scores, impl_->stream);
 }
 
 Status CudaBackend::top_k(const Tensor& scores, int ratio, const StepRows& rows, int k, const Tensor& idx) {
@@ -179,7 +187,9 @@ Status CudaBackend::top_k(const Tensor& scores, int ratio, const StepRows& rows,
   if (bytes) {
     DSV4_ASSIGN_OR_RETURN(workspace, impl_->scratch_bytes(bytes));
   }
-  return cuda::top_k(sc, ratio, m, k, reinterpret_cast<int32_t*>(ir.data), ir.ld, workspace, bytes, impl_->stream);
+  DSV4_TRY(cuda::top_k(sc, ratio, m, k, reinterpret_cast<int32_t*>(ir.data), ir.ld, workspace, bytes, impl_->stream));
+  // -inf marks an entry that does not exist (grafts): never selected (backend.h).
+  return cuda::drop_absent_selections(sc, m, reinterpret_cast<int32_t*>(ir.data), ir.ld, k, impl_->stream);
 }
 
 }  // namespace dsv4::backend

@@ -28,6 +28,8 @@
 #include "backend/cuda/exact_gemm.h"
 #include "backend/cuda/gemm_prefill.h"
 #include "backend/cuda/matvec.h"
+#include "backend/cuda/mmq.h"
+#include "backend/cuda/attention_ops.h"
 #include "backend/cuda/reference_math.cuh"
 #include "gguf/gguf_file.h"
 #include "util/float_formats.h"
@@ -402,6 +404,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   for (cudaEvent_t& e : m.half_done) DSV4_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DSV4_TRY(cuda::detail::iq2_tables(&m.iq2_grid, &m.iq2_signs));
   DSV4_TRY(cuda::prepare_matvec_tables());
+  DSV4_TRY(cuda::prepare_attention_kernels());  // no function attributes set inside a graph capture
   const char* env = std::getenv("DSV4_POISON_SCRATCH");
   m.poison_scratch = env != nullptr && env[0] == '1';
   if (options.scratch_bytes > 0) {  // the first chunk now, so the first step does not allocate
@@ -733,6 +736,10 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
                          w.row_stride() == static_cast<int64_t>(*row_bytes);
   if (!quantized) return exact_product(m, wm, xv, yv);
   if (xv.rows <= cuda::kMatvecMaxRows) return matvec_product(m, wm, xv, yv);
+  // 17-64 rows: the int8 tensor-core kernels where they take the type (mmq.h).
+  const cuda::MatvecWeights mw{w.type, w.data, n_out, n_in, 1, 0};
+  if (xv.rows <= cuda::kMmaMaxRows && cuda::mma_matmul_applies(mw, static_cast<int>(xv.rows)))
+    return matvec_product(m, wm, xv, yv);
   return gemm_product(m, wm, xv, yv);
 }
 
