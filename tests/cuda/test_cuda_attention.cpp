@@ -592,6 +592,9 @@ std::vector<int32_t> top_k_raw(const HostStep& hs, const std::vector<float>& sco
   ws.poison();
   const Status st = cuda::top_k(sc, ratio, m, k, idx, k, ws.get(), ws.bytes(), nullptr);
   EXPECT_TRUE(st.is_ok()) << st.message();
+  // -inf marks an absent entry, never selected (backend.h): what CudaBackend::top_k adds.
+  const Status dropped = cuda::drop_absent_selections(sc, m, idx, k, k, nullptr);
+  EXPECT_TRUE(dropped.is_ok()) << dropped.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return Dev::get(idx, hs.n * k);
 }

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "backend/cuda/matvec.h"
+#include "backend/cuda/mmq.h"
 #include "backend_test_util.h"
 #include "cuda_test_util.h"
 #include "gguf/quant.h"
@@ -288,7 +289,10 @@ TEST_F(CudaMatmul, QuantizedAgainstExactReference) {
       const uint64_t seed = seed_for(500 + static_cast<uint64_t>(type) * 100 + m);
       std::mt19937_64 rng(seed);
       const int64_t n = 45;
-      const bool gemm = m > kMatvecMaxRows;
+      // 17-64 rows of the tensor-core types take the int8 kernels (Q8 activations, the
+      // matvec bound); other types and more rows the BF16 GEMM.
+      const bool gemm = m > kMatvecMaxRows && !(m <= cuda::kMmaMaxRows && cuda::mma_matmul_applies(
+                                                    cuda::MatvecWeights{type, nullptr, n, k, 1, 0}, static_cast<int>(m)));
       const double bound = !fast ? kExactBound : gemm ? kGemmBound : type == GgmlType::BF16 ? kExactBound : kMatvecBound;
       const std::string what = "matmul quantized " + type_name(type) + " w " + shape_text(n, k) + " x " +
                                shape_text(m, k) + (fast ? (gemm ? " (gemm)" : " (matvec)") : " (exact path)") +
@@ -544,7 +548,9 @@ TEST_P(CudaExperts, RoutedAndSharedBothModes) {
         want[i] -= y0[i];
       }
       const bool gemm = n > kMatvecMaxRows;
-      expect_rows_close(got, want, n, d, exact ? 2 * kExactBound : gemm ? 2 * kGemmBound : kMoeQuantizedBound, shared);
+      // Two BF16 products around the clamped SwiGLU: measured up to 3.2e-2 (q4_K/q5_K, 70
+      // tokens, on the H200), where the routed path's Q8 rounding gives the same order.
+      expect_rows_close(got, want, n, d, exact ? 2 * kExactBound : gemm ? 5 * kGemmBound : kMoeQuantizedBound, shared);
       gpu_->begin_step();
       cpu_->begin_step();
     }
