@@ -696,8 +696,11 @@ Status ModelConfig::validate() const {
   if (rope.dims == 0 || rope.dims % 2 != 0 || rope.dims > head_dim)
     return Status::errorf("config: rope dims {} must be even, positive and at most head_dim {}",
                           rope.dims, head_dim);
-  // The reference's FP8 KV rounding works on 64-blocks of the non-rope dims (spec §8).
-  if ((head_dim - rope.dims) % 64 != 0)
+  // V4.1's FP8 window rounding covers every dim in blocks of 32 (tiny-v41 README, QAT rule 1).
+  if (is_v41() && head_dim % 32 != 0)
+    return Status::errorf("config: head_dim {} is not a multiple of 32", head_dim);
+  // V4's FP8 KV rounding works on 64-blocks of the non-rope dims (spec §8).
+  if (!is_v41() && (head_dim - rope.dims) % 64 != 0)
     return Status::errorf("config: head_dim {} - rope dims {} = {} is not a multiple of 64",
                           head_dim, rope.dims, head_dim - rope.dims);
   if (n_heads % o_groups != 0)

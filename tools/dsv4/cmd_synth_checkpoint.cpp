@@ -67,7 +67,7 @@ int run_synth_checkpoint(const SynthCheckpointCliOptions& o) {
 
 void register_synth_checkpoint(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<SynthCheckpointCliOptions>();
-  app.add_option("--preset", o->preset, "geometry: tiny, small, flash");
+  app.add_option("--preset", o->preset, "geometry: tiny, small, flash, tiny41, small41, flash41");
   app.add_option("--config", o->config_path, "geometry from a checkpoint folder's config.json (give the folder)");
   app.add_option("--layers", o->layers, "keep only the first N trunk layers (and the MTP block)")
       ->check(CLI::PositiveNumber);
