@@ -99,14 +99,16 @@ std::string engram_normalize(std::string_view text) {
 }
 
 Result<CompressedVocab> compressed_token_map(const TokenizerVocab& vocab) {
-  DSV4_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::from_vocab(vocab));
+  if (vocab.token_types.size() != vocab.tokens.size())
+    return Status::errorf("engram vocabulary: {} token types for {} tokens", vocab.token_types.size(),
+                          vocab.tokens.size());
   CompressedVocab out;
   out.token_map.resize(vocab.tokens.size());
   std::unordered_map<std::string, int32_t> ids;
   for (size_t i = 0; i < vocab.tokens.size(); ++i) {
     std::string key;
     if (vocab.token_types[i] != TokenType::kUnused) {
-      const std::string text = utf8_lossy(tokenizer.token_bytes(static_cast<TokenId>(i)));
+      const std::string text = utf8_lossy(byte_level_token_bytes(vocab.tokens[i]));
       if (text.find(kReplacementChar) != std::string::npos) {
         key = vocab.tokens[i];
       } else {
