@@ -20,6 +20,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& path, backend::Bac
   DSV4_ASSIGN_OR_RETURN(gguf::GgufFile file, gguf::GgufFile::open(path));
   DSV4_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::from_gguf(file));
   DSV4_TRY(config.validate().with_context(path));
+  if (config.is_v41())  // the config, catalog and weights load; the V4.1 forward pass does not exist yet
+    return Status::errorf("{}: a deepseek41 (DeepSeek-V4.1) model: this build has no V4.1 forward pass yet "
+                          "(`dsv4 info` describes the file)", path);
   std::unique_ptr<Model> m(new Model());
   m->file_ = std::make_unique<gguf::GgufFile>(std::move(file));
   m->config_ = std::move(config);
