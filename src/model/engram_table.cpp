@@ -189,7 +189,6 @@ Status EngramGather::start(EngramHasher::History& history, std::span<const int32
     ids.resize(n_tokens_ * cols);
     for (size_t t = 0; t < n_tokens_; ++t)
       std::memcpy(ids.data() + t * cols, ids_.data() + (t * tables_.size() + l) * cols, cols * sizeof(uint32_t));
-    tables_[l].prefetch(ids);
     rows_[l].resize(ids.size() * tables_[l].dim());
   }
   pending_ = std::async(std::launch::async, [this] { return read_all(); });
