@@ -817,4 +817,13 @@ void ModelConfig::write_gguf_metadata(gguf::GgufWriter& w) const {
   if (is_v41()) write_v41_metadata(*this, w);
 }
 
+Status refuse_image_tokens(const ModelConfig& c, std::span<const int32_t> tokens) {
+  if (!c.vision) return Status::ok();
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] == static_cast<int32_t>(c.vision->image_token_id))
+      return Status::errorf("prompt position {} holds the image token {}: image input is not supported yet "
+                            "(text only)", i, c.vision->image_token_id);
+  return Status::ok();
+}
+
 }  // namespace dsv4

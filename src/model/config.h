@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -182,5 +183,9 @@ struct ModelConfig {
   // published converters read.
   void write_gguf_metadata(gguf::GgufWriter& writer) const;
 };
+
+// V4.1: dsv4 does not take image input yet. An error naming the first position that holds
+// the model's image token (vision.image_token_id); ok for text-only prompts and V4 models.
+Status refuse_image_tokens(const ModelConfig& config, std::span<const int32_t> tokens);
 
 }  // namespace dsv4

@@ -8,7 +8,9 @@
 
 #include "gguf/gguf_file.h"
 #include "gguf/gguf_writer.h"
+#include "backend/cpu/cpu_backend.h"
 #include "model/config.h"
+#include "model/model.h"
 #include "model/tensor_catalog.h"
 #include "support/test_support.h"
 #include "synth/presets.h"
@@ -245,6 +247,26 @@ TEST(ConfigV41Test, MissingKeysNameFileAndKey) {
   auto b = load(write_file(dir, "b.gguf", tiny41_config(), {{"deepseek41.attention.candidate_block_size", ""}}));
   ASSERT_FALSE(b.is_ok());
   EXPECT_NE(b.status().message().find("candidate_block_size"), std::string::npos) << b.status().message();
+}
+
+TEST(ConfigV41Test, ModelLoadRefusesUntilTheForwardPassExists) {
+  test::TempDir dir;
+  backend::CpuBackend be(1);
+  auto m = Model::load(write_file(dir, "m.gguf", tiny41_config()), be);
+  ASSERT_FALSE(m.is_ok());
+  EXPECT_NE(m.status().message().find("no V4.1 forward pass yet"), std::string::npos) << m.status().message();
+}
+
+TEST(ConfigV41Test, ImageTokensAreRefused) {
+  const ModelConfig c = flash41_config();
+  const std::vector<int32_t> text = {0, 19923, 223, 129263, 129265};
+  EXPECT_TRUE(refuse_image_tokens(c, text).is_ok());
+  const std::vector<int32_t> image = {0, 19923, 129264, 5};
+  const Status s = refuse_image_tokens(c, image);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("position 2"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("129264"), std::string::npos) << s.message();
+  EXPECT_TRUE(refuse_image_tokens(flash_config(), image).is_ok());  // V4 has no image token
 }
 
 }  // namespace
