@@ -519,9 +519,12 @@ Status validate_v41(const ModelConfig& c) {
       if (e.table_rows[i] == 0 || e.table_rows[i] > std::numeric_limits<uint32_t>::max())
         return Status::errorf("config: engram table of layer {} has {} rows (must be 1 ... 2^32-1)", e.layers[i],
                               e.table_rows[i]);
-    if (e.ngram < 2 || e.heads == 0)
-      return Status::errorf("config: engram max n-gram size {} must be at least 2 and heads {} positive", e.ngram,
-                            e.heads);
+    if (e.ngram < 2 || e.ngram > kMaxEngramNgram || e.heads == 0 || e.heads > kMaxEngramHeads)
+      return Status::errorf("config: engram max n-gram size {} (2 ... {}) and heads {} (1 ... {})", e.ngram,
+                            kMaxEngramNgram, e.heads, kMaxEngramHeads);
+    // The buckets are primes just above it and the tables have at most 2^32 - 1 rows.
+    if (e.hash_vocab_size > std::numeric_limits<uint32_t>::max())
+      return Status::errorf("config: engram vocab_size {} exceeds 2^32 - 1", e.hash_vocab_size);
     // The table rows carry one E8M0 scale per 32 values.
     if (e.dim == 0 || e.dim % 32 != 0)
       return Status::errorf("config: engram head_dim {} must be a positive multiple of 32", e.dim);

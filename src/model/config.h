@@ -32,6 +32,10 @@ struct RopeConfig {
   double yarn_beta_slow = 1;
 };
 
+// Bounds validate() puts on Engram geometry read from a file (the release: 4 and 8).
+inline constexpr uint32_t kMaxEngramNgram = 8;
+inline constexpr uint32_t kMaxEngramHeads = 64;
+
 // V4.1's Engram memory (shared/spec/deepseek-v41.md §3.2); absent for V4. The hash
 // constants and the compressed token map are data, not config: model/engram.h.
 struct EngramConfig {

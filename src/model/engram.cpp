@@ -74,9 +74,11 @@ bool is_prime_u64(uint64_t n) {
 }
 
 Result<EngramHashConstants> compute_engram_hash_constants(const EngramConfig& e) {
-  if (e.ngram < 2 || e.ngram > kMaxEngramNgram || e.heads == 0)
-    return Status::errorf("engram: max n-gram size {} (2 ... {}) and heads {} (> 0)", e.ngram, kMaxEngramNgram,
-                          e.heads);
+  if (e.ngram < 2 || e.ngram > kMaxEngramNgram || e.heads == 0 || e.heads > kMaxEngramHeads)
+    return Status::errorf("engram: max n-gram size {} (2 ... {}) and heads {} (1 ... {})", e.ngram, kMaxEngramNgram,
+                          e.heads, kMaxEngramHeads);
+  if (e.hash_vocab_size > std::numeric_limits<uint32_t>::max())
+    return Status::errorf("engram: engram_vocab_size {} exceeds 2^32 - 1", e.hash_vocab_size);
   if (e.hash_vocab_size == 0)
     return Status::error("engram: engram_vocab_size is unknown (0); the bucket primes start above it");
   if (e.compressed_vocab_size == 0) return Status::error("engram: the compressed vocabulary size is 0");

@@ -29,8 +29,6 @@
 namespace dsv4 {
 namespace gguf { class GgufFile; class GgufWriter; }
 
-inline constexpr uint32_t kMaxEngramNgram = 8;
-
 struct EngramHashConstants {
   uint32_t ngram = 0, heads = 0;
   std::vector<std::vector<int64_t>> multipliers;  // [layer][ngram]
