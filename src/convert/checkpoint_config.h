@@ -1,6 +1,9 @@
 // The official checkpoint's config.json (Hugging Face form, DeepSeek-V4 keys; see
 // shared/spec/checkpoint-tokenizer-chat.md §2.3) read into a ModelConfig, and written
-// back from one (the synthetic checkpoint writer uses that).
+// back from one (the synthetic checkpoint writer uses that). V4.1 (model_type
+// deepseek_v41) nests the text model under text_config, with the release's V4.1 keys
+// (kv_source_layer_ids, candidate_*, engram_*, dspark_*), image_token_id and
+// vision_config at the root, and quantization_config.expert_dtype.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +28,7 @@ struct CheckpointConfig {
   CheckpointFormat format;
   uint32_t bos_token_id = 0;
   uint32_t eos_token_id = 1;
+  bool has_vision_tower = false;  // V4.1: vision_config with layers (vision.*, aligner.*, gate.bias_vl)
 };
 
 // `source` names the file in errors ("checkpoint/config.json: key hidden_size: ...").

@@ -13,6 +13,9 @@
 #include "convert/safetensors.h"
 #include "gguf/gguf_writer.h"
 #include "gguf/quant.h"
+#include "model/engram.h"
+#include "model/engram_table.h"
+#include "text/engram_vocab.h"
 #include "text/tokenizer_json.h"
 #include "util/thread_pool.h"
 
@@ -34,6 +37,16 @@ class RowProducer {
   // Writes output row r as `type` into dst; `scratch` holds at least row_len floats.
   void write_row(uint64_t r, GgmlType type, uint8_t* dst, float* scratch) const {
     const SourceLayout layout = plan_.source.layout;
+    if (layout == SourceLayout::EngramRows) {  // V4.1: the FP8 row with its scales, or requantised
+      const OfficialTensor& table = parts_[0];
+      if (type == GgmlType::I8) {
+        encode_engram_fp8_row(table.fp8_codes(r), table.fp8_row_scales(r), static_cast<uint32_t>(row_len_), dst);
+        return;
+      }
+      table.decode_rows(r, 1, scratch);
+      quantize_row(type, scratch, dst, static_cast<int64_t>(row_len_));
+      return;
+    }
     if (layout == SourceLayout::Index) {
       std::vector<int64_t> ids(row_len_);
       parts_[0].integer_rows(r, 1, ids.data());
@@ -74,7 +87,7 @@ class RowProducer {
   // Drops the checkpoint pages of output rows [r0, r1) once they are written.
   void release(const Checkpoint& ckpt, uint64_t r0, uint64_t r1) const {
     if (plan_.source.layout == SourceLayout::ColumnConcat || plan_.source.layout == SourceLayout::Index ||
-        plan_.source.layout == SourceLayout::Single) {
+        plan_.source.layout == SourceLayout::Single || plan_.source.layout == SourceLayout::EngramRows) {
       for (const auto& p : parts_) p.release_rows(ckpt, r0, r1 - r0, r1 == rows_);
       return;
     }
@@ -130,6 +143,41 @@ Status check_tid2eid(const OfficialTensor& t, uint32_t n_experts) {
   return Status::ok();
 }
 
+// V4.1: the compressed token map from the checkpoint's tokenizer.json (it must give the
+// config's compressed vocabulary) and the official hash constants (their prime sums must
+// give the config's table rows); the table encoding when the rows are stored as I8.
+Status write_engram_metadata_v41(const std::filesystem::path& dir, const ModelConfig& model, const ConversionPlan& plan,
+                                 gguf::GgufWriter& writer) {
+  const auto path = dir / "tokenizer.json";
+  if (!std::filesystem::exists(path))
+    return Status::errorf("{}: missing; a V4.1 checkpoint needs it for the Engram token map", path.string());
+  DSV4_ASSIGN_OR_RETURN(std::string json, read_file_text(path));
+  text::TokenizerJsonOptions topts;
+  topts.min_vocab_size = model.vocab_size;
+  topts.vocabulary_only = true;  // the map needs the vocabulary and its byte-level decoding only
+  DSV4_ASSIGN_OR_RETURN(text::TokenizerVocab vocab, text::parse_tokenizer_json(json, path.string(), topts));
+  DSV4_ASSIGN_OR_RETURN(text::CompressedVocab map, text::compressed_token_map(vocab));
+  if (map.size != model.engram->compressed_vocab_size)
+    return Status::errorf("{}: gives {} Engram ids (the official normalisation), config.json's "
+                          "engram_compressed_vocab_size is {}", path.string(), map.size,
+                          model.engram->compressed_vocab_size);
+  if (map.token_map.size() != model.vocab_size)
+    return Status::errorf("{}: {} tokens, config.json's vocab_size is {}", path.string(), map.token_map.size(),
+                          model.vocab_size);
+  auto constants = compute_engram_hash_constants(*model.engram);
+  if (!constants) return constants.status().with_context(dir.string() + "/config.json");
+  DSV4_ASSIGN_OR_RETURN(EngramHasher hasher,
+                        EngramHasher::create(*model.engram, std::move(*constants), std::move(map.token_map)));
+  write_engram_hash_metadata(writer, model, hasher);
+  for (const PlannedTensor& t : plan.tensors)
+    if (t.spec.block_kind == BlockTensor::EngramEmbd && t.type == GgmlType::I8) {
+      writer.set(fmt::format("{}.engram.encoding", model.architecture()),
+                 gguf::Value::string(engram_row_encoding(model.engram->dim)));
+      break;
+    }
+  return Status::ok();
+}
+
 std::string human_bytes(uint64_t b) {
   const double x = static_cast<double>(b);
   if (x >= 1e9) return fmt::format("{:.2f} GB", x / 1e9);
@@ -162,17 +210,21 @@ Result<ConversionPlan> plan_conversion(const CheckpointConfig& config, const Rec
   ConversionPlan plan;
   plan.config = config;
   plan.recipe = recipe;
-  const TensorCatalog catalog = build_tensor_catalog(config.model);
+  // V4.1: the recipe keeps or drops the vision tower (and exp_probs_b_vl with it).
+  if (plan.config.model.vision) plan.config.model.vision->in_file = recipe.keep_vision && config.has_vision_tower;
+  const TensorCatalog catalog = build_tensor_catalog(plan.config.model);
   for (const TensorSpec& spec : catalog.tensors) {
-    auto source = official_source(config.model, spec);
+    auto source = official_source(plan.config.model, spec);
     if (!source) continue;  // optional MTP copies of embed/head: the trunk's are shared
+    // exp_probs_b_vl is optional in the catalog: written exactly when the tower is kept.
+    if (spec.block_kind == BlockTensor::FfnExpProbsBVl && !spec.required) continue;
     DSV4_ASSIGN_OR_RETURN(TypeChoice choice, choose_type(recipe, spec));
     PlannedTensor t;
     t.spec = spec;
     t.type = choice.type;
     t.requested = choice.requested;
     t.source = std::move(*source);
-    t.nbytes = *ggml_row_bytes(t.type, spec.ne.at(0)) * (spec.n_elements() / spec.ne.at(0));
+    t.nbytes = *stored_bytes(spec, t.type);
     plan.tensors.push_back(std::move(t));
   }
   return plan;
@@ -203,8 +255,9 @@ std::string ConvertSummary::to_string() const {
                      seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0, human_bytes(peak_rss_bytes));
     for (const auto& p : output_paths) s += " " + p;
     s += "\n";
-    s += tokenizer_written ? "tokenizer: from tokenizer.json\n"
-                           : "tokenizer: none (the checkpoint folder has no tokenizer.json)\n";
+    s += tokenizer_written        ? "tokenizer: from tokenizer.json\n"
+         : tokenizer_note.empty() ? "tokenizer: none (the checkpoint folder has no tokenizer.json)\n"
+                                  : fmt::format("tokenizer: not written ({})\n", tokenizer_note);
   }
   if (fallbacks.empty()) {
     s += "fallbacks: none\n";
@@ -233,6 +286,7 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
   DSV4_ASSIGN_OR_RETURN(ConversionPlan planned, plan_conversion(config, options.recipe));
   ConvertSummary summary = ConvertSummary::of_plan(std::move(planned));
   const ConversionPlan& plan = summary.plan;
+  config.model = plan.config.model;
   DSV4_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(options.checkpoint_dir));
 
   // Bind every source before writing anything: all problems are reported together.
@@ -246,7 +300,9 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
     for (const std::string& name : t.source.names) {
       used.insert(name);
       if (auto scale = scale_name_of(name)) used.insert(*scale);
-      auto bound = OfficialTensor::bind(ckpt, name, t.source.part_shape, config.format, integer);
+      auto bound = t.source.layout == SourceLayout::EngramRows
+                       ? OfficialTensor::bind_engram_table(ckpt, name, t.source.part_shape)
+                       : OfficialTensor::bind(ckpt, name, t.source.part_shape, config.format, integer);
       if (!bound) {
         problems.push_back(bound.status().message());
         continue;
@@ -261,7 +317,12 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
   for (const auto& [name, tensor] : ckpt.tensors()) {
     if (used.contains(name)) continue;
     // The official converter drops MTP copies of the embedding and head: they are shared.
-    if (name.starts_with("mtp.") && (name.find("emb") != std::string::npos || name.ends_with("head.weight")))
+    if (!config.model.is_v41() && name.starts_with("mtp.") &&
+        (name.find("emb") != std::string::npos || name.ends_with("head.weight")))
+      continue;
+    // V4.1: a recipe without the vision tower drops it and the image-token routing bias.
+    if (config.model.is_v41() && plan.config.model.vision && !plan.config.model.vision->in_file &&
+        is_official_vision_tensor(name))
       continue;
     problems.push_back(fmt::format("{}: tensor {} ({} {}) is not part of a DeepSeek-V4 model with this "
                                    "config.json", ckpt.files()[tensor->file_index].path().string(), name,
@@ -284,7 +345,8 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
   };
   std::vector<OutputFile> files;
   const ModelConfig& model = config.model;
-  if (options.layout == WriteLayout::Bundled || model.n_mtp == 0) {
+  // V4.1's DSpark stages stay in the file: llama.cpp's sidecar layout is V4's MTP block.
+  if (options.layout == WriteLayout::Bundled || model.n_mtp == 0 || model.is_v41()) {
     files.push_back({out_path, model.n_mtp == 0 ? GgufPart::Trunk : GgufPart::Bundled, {}});
     for (size_t i = 0; i < plan.tensors.size(); ++i) files[0].tensors.emplace_back(i, plan.tensors[i].spec.name);
   } else {
@@ -303,6 +365,16 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
   if (std::filesystem::exists(tokenizer_path)) {
     DSV4_ASSIGN_OR_RETURN(tokenizer_json, read_file_text(tokenizer_path));
     summary.tokenizer_written = true;
+    if (model.is_v41()) {
+      // A V4.1 test checkpoint may ship a vocabulary-only tokenizer: convert without it.
+      text::TokenizerJsonOptions topts;
+      topts.min_vocab_size = model.vocab_size;
+      auto vocab = text::parse_tokenizer_json(tokenizer_json, tokenizer_path.string(), topts);
+      if (!vocab) {
+        summary.tokenizer_written = false;
+        summary.tokenizer_note = vocab.status().message();
+      }
+    }
   }
 
   ThreadPool pool(options.threads);
@@ -327,14 +399,17 @@ Result<ConvertSummary> convert_checkpoint(const ConvertOptions& options) {
       topts.min_vocab_size = model.vocab_size;
       DSV4_TRY(text::write_tokenizer_metadata(tokenizer_json, tokenizer_path.string(), writer, topts));
     }
-    for (const auto& [i, name] : f.tensors) DSV4_TRY(writer.add_tensor(name, plan.tensors[i].type, plan.tensors[i].spec.ne));
+    if (model.engram && f.part != GgufPart::MtpSidecar)
+      DSV4_TRY(write_engram_metadata_v41(options.checkpoint_dir, model, plan, writer));
+    for (const auto& [i, name] : f.tensors)
+      DSV4_TRY(writer.add_tensor(name, plan.tensors[i].type, stored_shape(plan.tensors[i].spec, plan.tensors[i].type)));
     DSV4_TRY(writer.begin());
 
     for (const auto& [i, name] : f.tensors) {
       const PlannedTensor& t = plan.tensors[i];
       const RowProducer& producer = producers[i];
       progress.current = name;
-      const uint64_t row_bytes = *ggml_row_bytes(t.type, producer.row_len());
+      const uint64_t row_bytes = *ggml_row_bytes(t.type, stored_shape(t.spec, t.type)[0]);
       const uint64_t work_bytes = std::max<uint64_t>(row_bytes, producer.row_len() * sizeof(float));
       const uint64_t rows_per_chunk = std::max<uint64_t>(1, options.chunk_bytes / work_bytes);
       for (uint64_t row0 = 0; row0 < producer.rows(); row0 += rows_per_chunk) {

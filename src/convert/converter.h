@@ -81,6 +81,7 @@ struct ConvertSummary {
   ConversionPlan plan;
   std::vector<std::string> output_paths;  // the trunk's parts (or the bundled file's), then the sidecar
   bool tokenizer_written = false;
+  std::string tokenizer_note;  // V4.1: why a tokenizer.json was not written (used for Engram only)
   double seconds = 0;
   std::map<GgmlType, uint64_t> tensors_by_type;
   std::vector<const PlannedTensor*> fallbacks;  // into plan.tensors (keep the summary whole)

@@ -13,6 +13,7 @@ std::optional<std::string_view> global_official_name(GlobalTensor t) {
     case GlobalTensor::OutputHcFn: return "hc_head_fn";
     case GlobalTensor::OutputHcBase: return "hc_head_base";
     case GlobalTensor::OutputHcScale: return "hc_head_scale";
+    default: return std::nullopt;  // V4.1 kinds: official_source_v41
   }
   return std::nullopt;
 }
@@ -65,7 +66,50 @@ std::optional<std::string_view> block_official_suffix(BlockTensor t) {
 
 std::vector<uint64_t> reversed(const std::vector<uint64_t>& ne) { return {ne.rbegin(), ne.rend()}; }
 
+// ---- V4.1 ----
+std::optional<TensorSource> official_source_v41(const ModelConfig& config, const TensorSpec& spec) {
+  TensorSource src;
+  src.part_shape = reversed(spec.ne);
+  const std::string last_stage = fmt::format("mtp.{}.", config.n_mtp == 0 ? 0 : config.n_mtp - 1);
+  if (spec.global_kind) {
+    switch (*spec.global_kind) {
+      case GlobalTensor::DsparkMarkovEmbd: src.names = {last_stage + "markov_head.embed.weight"}; return src;
+      case GlobalTensor::DsparkMarkovHead: src.names = {last_stage + "markov_head.head.weight"}; return src;
+      case GlobalTensor::DsparkConfProj: src.names = {last_stage + "confidence_head.proj.weight"}; return src;
+      case GlobalTensor::Vision: {
+        // GGUF "vision.<x>": the tower keeps its official name, the rest drops the prefix.
+        const std::string_view x = std::string_view(spec.name).substr(7);
+        src.names = {x.starts_with("aligner.") || x.starts_with("image_") ? std::string(x) : spec.name};
+        return src;
+      }
+      default: return std::nullopt;
+    }
+  }
+  const std::string prefix = official_block_prefix(config, spec.block.value_or(0));
+  using BT = BlockTensor;
+  switch (spec.block_kind.value_or(BT::AttnNorm)) {
+    case BT::IndexerK: src.names = {prefix + "attn.indexer.wk.weight"}; return src;
+    case BT::IndexerKNorm: src.names = {prefix + "attn.indexer.k_norm.weight"}; return src;
+    case BT::FfnExpProbsBVl: src.names = {prefix + "ffn.gate.bias_vl"}; return src;
+    case BT::EngramEmbd:
+      src.layout = SourceLayout::EngramRows;
+      src.names = {prefix + "engram.embed.weight"};
+      return src;
+    case BT::EngramKv: src.names = {prefix + "engram.wkv.weight"}; return src;
+    case BT::EngramQ: src.names = {prefix + "engram.q_weight"}; return src;
+    case BT::EngramK: src.names = {prefix + "engram.k_weight"}; return src;
+    case BT::DsparkMainProj: src.names = {prefix + "main_proj.weight"}; return src;
+    case BT::DsparkMainNorm: src.names = {prefix + "main_norm.weight"}; return src;
+    default: return std::nullopt;
+  }
+}
+
 }  // namespace
+
+bool is_official_vision_tensor(std::string_view name) {
+  return name.starts_with("vision.") || name.starts_with("aligner.") || name.starts_with("image_") ||
+         name.ends_with(".ffn.gate.bias_vl");
+}
 
 std::string official_block_prefix(const ModelConfig& config, uint32_t block) {
   return config.is_mtp(block) ? fmt::format("mtp.{}.", block - config.n_layers)
@@ -73,6 +117,8 @@ std::string official_block_prefix(const ModelConfig& config, uint32_t block) {
 }
 
 std::optional<TensorSource> official_source(const ModelConfig& config, const TensorSpec& spec) {
+  if (config.is_v41())
+    if (auto v41 = official_source_v41(config, spec)) return v41;
   TensorSource src;
   if (spec.global_kind) {
     const auto name = global_official_name(*spec.global_kind);

@@ -18,6 +18,7 @@ enum class SourceLayout {
   ExpertStack,   // ne[2] official tensors, expert e giving rows [e*ne[1], (e+1)*ne[1])
   ColumnConcat,  // official tensors [ne[1], ne[0]/k] side by side along the row (MTP eh_proj)
   Index,         // one official integer tensor (tid2eid) of shape reversed(ne)
+  EngramRows,    // V4.1 engram.embed: FP8 [rows, dim] with one E8M0 scale per (row, 32 values)
 };
 
 struct TensorSource {
@@ -26,11 +27,15 @@ struct TensorSource {
   std::vector<uint64_t> part_shape;         // logical outer-first shape of each part
 };
 
-// "layers.3." for a trunk block, "mtp.0." for the first MTP block.
+// "layers.3." for a trunk block, "mtp.0." for the first MTP block (V4.1: DSpark stage).
 std::string official_block_prefix(const ModelConfig& config, uint32_t block);
 
 // The official source of a catalog tensor; nullopt for the optional MTP copies of the
 // embedding and head, which the official checkpoint does not have (it shares the trunk's).
 std::optional<TensorSource> official_source(const ModelConfig& config, const TensorSpec& spec);
+
+// V4.1: whether an official tensor belongs to the vision side (tower, aligner, image
+// delimiters, image-token routing bias), which a recipe may drop.
+bool is_official_vision_tensor(std::string_view name);
 
 }  // namespace dsv4::convert

@@ -109,6 +109,34 @@ Result<OfficialTensor> OfficialTensor::bind(const Checkpoint& ckpt, std::string_
   return t;
 }
 
+Result<OfficialTensor> OfficialTensor::bind_engram_table(const Checkpoint& ckpt, std::string_view name,
+                                                        std::vector<uint64_t> shape) {
+  const StTensor* w = ckpt.find(name);
+  if (!w)
+    return Status::errorf("{}: tensor {} is missing (expected shape {})", ckpt.dir().string(), name, shape_str(shape));
+  const auto scale_name = scale_name_of(name);
+  const StTensor* s = scale_name ? ckpt.find(*scale_name) : nullptr;
+  if (!s) return Status::errorf("{}: Engram table without its scale tensor {}", where(ckpt, *w), scale_name.value_or("(none)"));
+  if (shape.size() != 2 || shape[1] % 32 != 0)
+    return Status::errorf("{}: an Engram table of shape {}; rows must hold a multiple of 32 values", where(ckpt, *w),
+                          shape_str(shape));
+  DSV4_TRY(expect_dtype(ckpt, *w, {StDtype::F8_E4M3}, "FP8 Engram rows"));
+  DSV4_TRY(expect_dtype(ckpt, *s, {StDtype::F8_E8M0}, "one scale per 32 values of a row"));
+  DSV4_TRY(expect_shape(ckpt, *w, shape));
+  DSV4_TRY(expect_shape(ckpt, *s, {shape[0], shape[1] / 32}));
+  OfficialTensor t;
+  t.weight_ = w;
+  t.scale_ = s;
+  t.encoding_ = OfficialEncoding::Fp8Blocks;
+  t.rows_ = shape[0];
+  t.cols_ = shape[1];
+  t.block_rows_ = 1;
+  t.block_cols_ = 32;
+  t.scale_cols_ = s->shape[1];
+  t.row_bytes_ = t.cols_;
+  return t;
+}
+
 void OfficialTensor::decode_rows(uint64_t row0, uint64_t n, float* out) const {
   const uint8_t* base = weight_->data;
   for (uint64_t r = row0; r < row0 + n; ++r, out += cols_) {

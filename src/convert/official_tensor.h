@@ -34,6 +34,10 @@ class OfficialTensor {
                                      std::vector<uint64_t> shape, const CheckpointFormat& format,
                                      bool integer = false);
 
+  // V4.1 engram.embed: FP8 [rows, dim] with E8M0 scales [rows, dim / 32].
+  static Result<OfficialTensor> bind_engram_table(const Checkpoint& ckpt, std::string_view name,
+                                                  std::vector<uint64_t> shape);
+
   const std::string& name() const { return weight_->name; }
   OfficialEncoding encoding() const { return encoding_; }
   uint64_t rows() const { return rows_; }
@@ -51,6 +55,10 @@ class OfficialTensor {
   // (j, j+16) order.
   void mxfp4_rows(uint64_t row0, uint64_t n, block_mxfp4* out) const;
   bool has_mxfp4_layout() const { return encoding_ == OfficialEncoding::Fp4Blocks; }
+  // Fp8Blocks with one scale per (row, 32 columns) (an Engram table): the codes and the
+  // scales of one row, as stored.
+  const uint8_t* fp8_codes(uint64_t row) const { return weight_->data + row * row_bytes_; }
+  const uint8_t* fp8_row_scales(uint64_t row) const { return scale_->data + row * scale_cols_; }
 
   // Drops the pages of rows [row0, row0 + n) (and, with `scale`, of the scale tensor)
   // from the resident set; see SafetensorsFile::release.

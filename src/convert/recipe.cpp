@@ -9,7 +9,7 @@ namespace {
 
 constexpr std::array<std::string_view, kConvertRoleCount> kRoleNames = {
     "experts", "experts_down", "attention", "shared", "embedding", "head",
-    "indexer", "compressor",   "router",    "mtp",    "small",
+    "indexer", "compressor",   "router",    "mtp",    "small",  "engram",
 };
 
 bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
@@ -65,6 +65,8 @@ ConvertRole convert_role_of(const TensorSpec& spec) {
     switch (*spec.global_kind) {
       case GlobalTensor::TokenEmbd: return ConvertRole::Embedding;
       case GlobalTensor::Output: return ConvertRole::Head;
+      case GlobalTensor::DsparkMarkovEmbd: return ConvertRole::Embedding;
+      case GlobalTensor::DsparkMarkovHead: return ConvertRole::Head;
       default: return ConvertRole::Small;
     }
   }
@@ -91,6 +93,11 @@ ConvertRole convert_role_of(const TensorSpec& spec) {
     case BT::NextnEhProj: return ConvertRole::Mtp;
     case BT::NextnEmbedTokens: return ConvertRole::Embedding;
     case BT::NextnSharedHeadHead: return ConvertRole::Head;
+    // V4.1
+    case BT::IndexerK: return ConvertRole::Indexer;
+    case BT::EngramKv: return ConvertRole::Attention;
+    case BT::DsparkMainProj: return ConvertRole::Mtp;
+    case BT::EngramEmbd: return ConvertRole::Engram;
     default: return ConvertRole::Small;
   }
 }
@@ -106,7 +113,12 @@ const std::vector<RecipeInfo>& recipe_list() {
 
 Result<Recipe> recipe_by_name(std::string_view name) {
   for (const auto& r : recipe_rows())
-    if (r.info.name == name) return Recipe{std::string(name), r.types};
+    if (r.info.name == name) {
+      Recipe recipe{std::string(name), r.types};
+      // Every recipe keeps V4.1's Engram tables lossless: the official FP8 rows as I8.
+      recipe.set(ConvertRole::Engram, GgmlType::I8);
+      return recipe;
+    }
   std::string all;
   for (const auto& r : recipe_rows()) all += (all.empty() ? "" : ", ") + std::string(r.info.name);
   return Status::errorf("unknown recipe \"{}\" (recipes: {})", name, all);
@@ -118,6 +130,10 @@ Status apply_type_override(Recipe& recipe, std::string_view spec) {
     return Status::errorf("--type {}: expected ROLE=TYPE, e.g. experts_down=q4_k", spec);
   const std::string_view role_name = spec.substr(0, eq), type_name = spec.substr(eq + 1);
   const auto type = ggml_type_from_name(type_name);
+  if (role_name == "engram" && type == GgmlType::I8) {  // the lossless FP8 rows
+    recipe.set(ConvertRole::Engram, GgmlType::I8);
+    return Status::ok();
+  }
   if (!type || !writable(*type)) {
     std::string names;
     for (GgmlType t : kWritableTypes)
@@ -129,6 +145,7 @@ Status apply_type_override(Recipe& recipe, std::string_view spec) {
     for (size_t i = 0; i < kConvertRoleCount; ++i)
       if (static_cast<ConvertRole>(i) != ConvertRole::Small || is_float_type(*type))
         recipe.types[i] = *type;
+    // Engram tables stay as they are unless named: they are most of V4.1's bytes.
     return Status::ok();
   }
   auto role = convert_role_from_name(role_name);
@@ -147,6 +164,8 @@ double bits_per_weight(GgmlType type) {
 
 Result<TypeChoice> choose_type(const Recipe& recipe, const TensorSpec& spec) {
   if (spec.type_class == TypeClass::Index) return TypeChoice{GgmlType::I32, GgmlType::I32};
+  if (spec.type_class == TypeClass::EngramTable && recipe.type(ConvertRole::Engram) == GgmlType::I8)
+    return TypeChoice{GgmlType::I8, GgmlType::I8};
   const GgmlType requested = recipe.type(convert_role_of(spec));
   if (!type_allowed(spec.type_class, requested))
     return Status::errorf("tensor {}: type {} is not allowed for a {}", spec.name,

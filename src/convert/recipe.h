@@ -32,8 +32,9 @@ enum class ConvertRole : uint8_t {
   Router,       // ffn_gate_inp
   Mtp,          // nextn.eh_proj
   Small,        // norms, hyper-connection tensors, sinks, APE, biases
+  Engram,       // V4.1 engram_embd tables: i8 (the official FP8 rows, lossless) or a matrix type
 };
-inline constexpr size_t kConvertRoleCount = 11;
+inline constexpr size_t kConvertRoleCount = 12;
 
 std::string_view convert_role_name(ConvertRole role);  // "experts_down"
 Result<ConvertRole> convert_role_from_name(std::string_view name);
@@ -42,6 +43,9 @@ ConvertRole convert_role_of(const TensorSpec& spec);
 struct Recipe {
   std::string name;
   std::array<GgmlType, kConvertRoleCount> types{};
+  // V4.1: keep the vision tower (vision.*, aligner.*, image delimiters) and the image-token
+  // routing bias; dropped by default, since dsv4 refuses image input.
+  bool keep_vision = false;
   GgmlType type(ConvertRole role) const { return types[static_cast<size_t>(role)]; }
   void set(ConvertRole role, GgmlType t) { types[static_cast<size_t>(role)] = t; }
 };

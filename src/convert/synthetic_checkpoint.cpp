@@ -19,13 +19,14 @@ namespace dsv4::convert {
 namespace {
 
 // How the official release stores a tensor (spec §7).
-enum class Storage { Bf16, F32, Fp8, Fp4, I64 };
+enum class Storage { Bf16, F32, Fp8, Fp4, I64, Fp8Rows };  // Fp8Rows: V4.1 Engram tables
 
 Storage storage_of(const PlannedTensor& t, const std::string& official_name, bool experts_fp4) {
   switch (t.source.layout) {
     case SourceLayout::ExpertStack: return experts_fp4 ? Storage::Fp4 : Storage::Fp8;
     case SourceLayout::Index: return Storage::I64;
     case SourceLayout::ColumnConcat: return Storage::Fp8;  // mtp e_proj / h_proj
+    case SourceLayout::EngramRows: return Storage::Fp8Rows;
     case SourceLayout::Single: break;
   }
   using BT = BlockTensor;
@@ -38,9 +39,15 @@ Storage storage_of(const PlannedTensor& t, const std::string& official_name, boo
     case BT::IndexerQB:
     case BT::FfnGateShexp:
     case BT::FfnUpShexp:
-    case BT::FfnDownShexp: return Storage::Fp8;
+    case BT::FfnDownShexp:
+    case BT::EngramKv:         // V4.1 (tiny-v41 README, "stored as")
+    case BT::DsparkMainProj: return Storage::Fp8;
     default: break;
   }
+  if (t.spec.global_kind == GlobalTensor::DsparkMarkovEmbd || t.spec.global_kind == GlobalTensor::DsparkMarkovHead ||
+      t.spec.global_kind == GlobalTensor::DsparkConfProj || t.spec.block_kind == BT::EngramQ ||
+      t.spec.block_kind == BT::EngramK)
+    return Storage::Bf16;
   // Norm weights, embedding, head, router, compressors, indexer projections: BF16;
   // hyper-connection tensors, sinks, APE and the router bias: F32.
   if (official_name.ends_with("norm.weight")) return Storage::Bf16;
@@ -79,6 +86,10 @@ OfficialEntry make_entry(const PlannedTensor& t, size_t part, const CheckpointCo
     case Storage::Fp4:
       e.shape = {e.rows, e.cols / 2};
       e.weight_bytes = e.rows * e.cols / 2;
+      e.scale_bytes = e.rows * e.cols / 32;
+      break;
+    case Storage::Fp8Rows:
+      e.weight_bytes = e.rows * e.cols;
       e.scale_bytes = e.rows * e.cols / 32;
       break;
   }
@@ -187,6 +198,17 @@ class EntryEncoder {
         for (uint64_t c = 0; c < e.cols; ++c) dst[c] = f32_to_e4m3(v[c] / e8m0_to_f32(srow[c / bc]));
         break;
       }
+      case Storage::Fp8Rows: {  // one power-of-two scale per (row, 32 values), as the release
+        uint8_t* srow = scales.data() + row * (e.cols / 32);
+        for (uint64_t b = 0; b < e.cols / 32; ++b) {
+          double amax = 0;
+          for (uint64_t k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(static_cast<double>(v[32 * b + k])));
+          srow[b] = e8m0_scale_for(amax, kE4M3Max);
+          const float inv = 1.0f / e8m0_to_f32(srow[b]);
+          for (uint64_t k = 0; k < 32; ++k) dst[32 * b + k] = f32_to_e4m3(v[32 * b + k] * inv);
+        }
+        break;
+      }
       case Storage::Fp4: {
         uint8_t* srow = scales.data() + row * (e.cols / 32);
         for (uint64_t b = 0; b < e.cols / 32; ++b) {
@@ -232,7 +254,7 @@ Result<SyntheticCheckpointReport> write_synthetic_checkpoint(const std::filesyst
   const CheckpointConfig& config = options.config;
   DSV4_ASSIGN_OR_RETURN(Recipe recipe, recipe_by_name("f32"));
   DSV4_ASSIGN_OR_RETURN(ConversionPlan plan, plan_conversion(config, recipe));
-  if (options.write_tokenizer && config.model.vocab_size < 129280)
+  if ((options.write_tokenizer || config.model.engram) && config.model.vocab_size < 129280)
     return Status::errorf("synthetic checkpoint: the DeepSeek-V4 tokenizer needs vocab_size >= 129280, "
                           "the config has {}", config.model.vocab_size);
   if (std::filesystem::exists(dir / "config.json") && !options.overwrite)
@@ -269,7 +291,7 @@ Result<SyntheticCheckpointReport> write_synthetic_checkpoint(const std::filesyst
       writer.add_tensor(e->name, e->storage == Storage::Bf16   ? StDtype::BF16
                                  : e->storage == Storage::F32  ? StDtype::F32
                                  : e->storage == Storage::I64  ? StDtype::I64
-                                 : e->storage == Storage::Fp8  ? StDtype::F8_E4M3
+                                 : e->storage == Storage::Fp8 || e->storage == Storage::Fp8Rows ? StDtype::F8_E4M3
                                                                : StDtype::I8,
                         e->shape);
       weight_map[e->name] = file;
@@ -277,7 +299,7 @@ Result<SyntheticCheckpointReport> write_synthetic_checkpoint(const std::filesyst
       if (e->scale_bytes) {
         const std::string scale = *scale_name_of(e->name);
         const std::vector<uint64_t> scale_shape =
-            e->storage == Storage::Fp4
+            e->storage == Storage::Fp4 || e->storage == Storage::Fp8Rows
                 ? std::vector<uint64_t>{e->rows, e->cols / 32}
                 : std::vector<uint64_t>{ceil_div(e->rows, config.format.fp8_block_rows),
                                         ceil_div(e->cols, config.format.fp8_block_cols)};
@@ -297,7 +319,9 @@ Result<SyntheticCheckpointReport> write_synthetic_checkpoint(const std::filesyst
   index["metadata"] = {{"total_size", report.data_bytes}};
   index["weight_map"] = weight_map;
   DSV4_TRY(write_text(dir / "model.safetensors.index.json", index.dump(2) + "\n"));
-  if (options.write_tokenizer) DSV4_TRY(write_text(dir / "tokenizer.json", text::builtin_tokenizer_json()));
+  // V4.1 needs the tokenizer: the converter derives the Engram token map from it.
+  if (options.write_tokenizer || config.model.engram)
+    DSV4_TRY(write_text(dir / "tokenizer.json", text::builtin_tokenizer_json()));
   // Last: a folder without config.json is not taken for a checkpoint.
   DSV4_TRY(write_text(dir / "config.json", checkpoint_config_json(config)));
   return report;

@@ -346,7 +346,8 @@ class HeaderParser {
         return Status::errorf("tensor '{}' (#{}): data at offset {} of {} bytes runs past the end of the data "
                               "section ({} bytes from file offset {})",
                               t.name, i, t.offset, t.nbytes, data_size, part.data_start);
-      if (map_data_) t.data = file_.data() + part.data_start + t.offset;
+      t.file_offset = part.data_start + t.offset;
+      if (map_data_) t.data = file_.data() + t.file_offset;
     }
     std::vector<size_t> order(part.tensors.size());
     std::iota(order.begin(), order.end(), size_t{0});

@@ -34,6 +34,7 @@ struct TensorInfo {
   GgmlType type = GgmlType::F32;
   std::vector<uint64_t> ne;     // ggml order: ne[0] is the row length (innermost)
   uint64_t offset = 0;          // within its part's data section
+  uint64_t file_offset = 0;     // of the data within its part's file (for pread)
   uint64_t nbytes = 0;
   uint32_t part = 0;            // index of the split part holding the data
   const uint8_t* data = nullptr;  // into the memory mapping

@@ -69,7 +69,10 @@ CacheTotals CacheLayout::totals_at(uint64_t n_tokens, uint64_t page_rows) const 
     t.windows += b.window_bytes;
     t.compressor_states += b.compressor_state_bytes + b.indexer_state_bytes;
     const uint64_t rows = round_up(b.entries(n_tokens), page_rows ? page_rows : 1);
-    if (b.kind == AttentionKind::CSA) {
+    if (b.kv_source_layer >= 0) {  // V4.1: only the KV source itself holds entries
+      t.shared_entries += rows * b.entry_bytes;
+      t.index_keys += rows * b.index_key_bytes;
+    } else if (b.kind == AttentionKind::CSA) {
       t.csa_entries += rows * b.entry_bytes;
       t.index_keys += rows * b.index_key_bytes;
     } else if (b.kind == AttentionKind::HCA) {
@@ -79,7 +82,46 @@ CacheTotals CacheLayout::totals_at(uint64_t n_tokens, uint64_t page_rows) const 
   return t;
 }
 
+uint64_t v41_window_entry_bytes(const ModelConfig& c, CacheFormat format) {
+  if (format != CacheFormat::Packed) return kv_entry_bytes(c, format);
+  return uint64_t{c.head_dim} + c.head_dim / 32 * kScaleBytes;  // e4m3 + ue8m0 per 32
+}
+
+uint64_t v41_compressed_entry_bytes(const ModelConfig& c, CacheFormat format) {
+  if (format != CacheFormat::Packed) return kv_entry_bytes(c, format);
+  return uint64_t{c.head_dim} / 2 + c.head_dim / 16;  // e2m1 nibbles + one e4m3 per 16
+}
+
+namespace {
+
+CacheLayout plan_cache_layout_v41(const ModelConfig& c, CacheFormat format) {
+  CacheLayout layout;
+  layout.format = format;
+  const uint64_t window_entry = v41_window_entry_bytes(c, format);
+  for (uint32_t b = 0; b < c.n_blocks(); ++b) {
+    BlockCache bc;
+    bc.block = b;
+    bc.kind = c.attention_kind(b);
+    bc.ratio = c.ratio(b);
+    bc.window_slots = c.sliding_window;
+    bc.window_bytes = uint64_t{c.sliding_window} * window_entry;
+    const LayerRoles roles = c.layer_roles(b);
+    bc.kv_source_layer = roles.kv_source_layer;
+    if (roles.kv_source) {
+      bc.entry_bytes = v41_compressed_entry_bytes(c, format);
+      bc.index_key_bytes = index_key_bytes(c, format);
+      // The open group of a pooled (ratio > 1) compressor; ratio 1 keeps nothing pending.
+      bc.compressor_state_bytes = bc.ratio > 1 ? compressor_state_bytes(bc.ratio, c.head_dim, 1) : 0;
+    }
+    layout.blocks.push_back(bc);
+  }
+  return layout;
+}
+
+}  // namespace
+
 CacheLayout plan_cache_layout(const ModelConfig& c, CacheFormat format) {
+  if (c.is_v41()) return plan_cache_layout_v41(c, format);
   CacheLayout layout;
   layout.format = format;
   const uint64_t entry = kv_entry_bytes(c, format);

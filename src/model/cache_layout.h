@@ -14,6 +14,13 @@
 //                  values, padded to 8 bytes; an indexer key is index_head_dim e2m1 nibbles
 //                  + one ue8m0 scale per 32.
 // Compressor states are fp32 in every format (the layout the reference computes with).
+//
+// V4.1 (shared caches, shared/spec/deepseek-v41.md §3.3): every block keeps only its own
+// window ring; a KV source also holds the compressed cache, the index keys (from its
+// latent) and, at ratio > 1, the state of its open group; consumer layers read their
+// source's cache. Packed V4.1 forms, lossless for the reference's QAT rules (tiny-v41
+// README): window FP8 with one ue8m0 scale per 32, compressed entries FP4 E2M1 with one
+// e4m3 scale per 16, index keys FP4 with one ue8m0 scale per 32.
 // The forward pass's cache plan (cache.h) is this layout in F32; `dsv4 info` prints the
 // bf16 and packed layouts.
 #pragma once
@@ -32,6 +39,9 @@ std::string_view cache_format_name(CacheFormat format);  // "fp32", "reference b
 // Bytes of one KV vector (window slot or compressed entry) and of one indexer key.
 uint64_t kv_entry_bytes(const ModelConfig& config, CacheFormat format);
 uint64_t index_key_bytes(const ModelConfig& config, CacheFormat format);
+// V4.1: a window slot and a compressed entry differ in the packed format.
+uint64_t v41_window_entry_bytes(const ModelConfig& config, CacheFormat format);
+uint64_t v41_compressed_entry_bytes(const ModelConfig& config, CacheFormat format);
 
 // The fp32 state of one compressor of ratio `ratio` and entry width `width` with overlap
 // factor `overlap` (2 for ratio 4, else 1): kv and score, each
@@ -51,6 +61,10 @@ struct BlockCache {
   // One per `ratio` tokens.
   uint64_t entry_bytes = 0;      // compressed KV entry (CSA, HCA)
   uint64_t index_key_bytes = 0;  // indexer key (CSA)
+  // V4.1: whose compressed cache the block reads (-1 for window-only blocks); only a KV
+  // source (kv_source_layer == block) holds entries, index keys and a compressor state.
+  int32_t kv_source_layer = -1;
+  bool holds_entries() const { return entry_bytes != 0; }
 
   uint64_t fixed_bytes() const { return window_bytes + compressor_state_bytes + indexer_state_bytes; }
   // Complete entries after n tokens: floor(n / ratio).
@@ -72,8 +86,9 @@ struct CacheTotals {
   uint64_t csa_entries = 0;
   uint64_t index_keys = 0;
   uint64_t hca_entries = 0;
+  uint64_t shared_entries = 0;  // V4.1: compressed KV of the KV sources (index keys: index_keys)
   uint64_t fixed() const { return windows + compressor_states; }
-  uint64_t total() const { return fixed() + csa_entries + index_keys + hca_entries; }
+  uint64_t total() const { return fixed() + csa_entries + index_keys + hca_entries + shared_entries; }
 };
 
 struct CacheLayout {

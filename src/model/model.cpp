@@ -70,6 +70,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& path, backend::Bac
   fo.mtp_path = options.mtp_path;
   DSV4_ASSIGN_OR_RETURN(ModelFiles files, ModelFiles::open(path, fo));
   DSV4_TRY(files.config().validate().with_context(path));
+  if (files.config().is_v41())  // the config, catalog and weights load; the V4.1 forward pass does not exist yet
+    return Status::errorf("{}: a deepseek41 (DeepSeek-V4.1) model: this build has no V4.1 forward pass yet "
+                          "(`dsv4 info` describes the file)", path);
   std::unique_ptr<Model> m(new Model());
   m->files_ = std::make_unique<ModelFiles>(std::move(files));
   m->config_ = m->files_->config();

@@ -33,7 +33,10 @@ Result<uint32_t> mtp_blocks_present(const gguf::GgufFile& file, uint32_t* declar
                             v, blocks);
     n = static_cast<uint32_t>(v);
     if (declared) *declared = n;
-    if (n > 0 && !file.find_tensor(block_tensor_name(static_cast<uint32_t>(blocks - n), BlockTensor::NextnEhProj)))
+    // A V4 MTP block starts with eh_proj; a V4.1 DSpark stage set with its main projection.
+    const auto first_mtp = static_cast<uint32_t>(blocks - n);
+    if (n > 0 && !file.find_tensor(block_tensor_name(first_mtp, BlockTensor::NextnEhProj)) &&
+        !file.find_tensor(block_tensor_name(first_mtp, BlockTensor::DsparkMainProj)))
       return 0;
     return n;
   }

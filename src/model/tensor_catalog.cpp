@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "gguf/gguf_file.h"
+#include "model/engram_table.h"
 
 namespace dsv4 {
 
@@ -18,6 +19,10 @@ std::string_view global_tensor_name(GlobalTensor t) {
     case GlobalTensor::OutputHcFn: return "output_hc_fn.weight";
     case GlobalTensor::OutputHcBase: return "output_hc_base.weight";
     case GlobalTensor::OutputHcScale: return "output_hc_scale.weight";
+    case GlobalTensor::DsparkMarkovEmbd: return "markov_w1.weight";
+    case GlobalTensor::DsparkMarkovHead: return "markov_w2.weight";
+    case GlobalTensor::DsparkConfProj: return "conf_proj.weight";
+    case GlobalTensor::Vision: return "vision.";
   }
   return "?";
 }
@@ -68,6 +73,15 @@ std::string_view block_tensor_suffix(BlockTensor t) {
     case BlockTensor::NextnHcHeadScale: return "nextn.hc_head_scale.weight";
     case BlockTensor::NextnEmbedTokens: return "nextn.embed_tokens.weight";
     case BlockTensor::NextnSharedHeadHead: return "nextn.shared_head_head.weight";
+    case BlockTensor::IndexerK: return "indexer.attn_k.weight";
+    case BlockTensor::IndexerKNorm: return "indexer.k_norm.weight";
+    case BlockTensor::FfnExpProbsBVl: return "exp_probs_b_vl.bias";
+    case BlockTensor::EngramEmbd: return "engram_embd.weight";
+    case BlockTensor::EngramKv: return "engram_kv.weight";
+    case BlockTensor::EngramQ: return "engram_q_norm.weight";
+    case BlockTensor::EngramK: return "engram_k_norm.weight";
+    case BlockTensor::DsparkMainProj: return "dspark_main_proj.weight";
+    case BlockTensor::DsparkMainNorm: return "dspark_main_norm.weight";
   }
   return "?";
 }
@@ -84,6 +98,8 @@ bool type_allowed(TypeClass cls, GgmlType type) {
       return type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16;
     case TypeClass::Index:
       return type == GgmlType::I32;
+    case TypeClass::EngramTable:
+      return type == GgmlType::I8 || type_allowed(TypeClass::Matrix, type);
   }
   return false;
 }
@@ -93,6 +109,7 @@ std::string_view type_class_name(TypeClass cls) {
     case TypeClass::Matrix: return "matrix (any type dsv4 decodes: f32, f16, bf16, q4_0..q8_0, q2_K..q6_K, iq1_s..iq4_xs, mxfp4)";
     case TypeClass::Vector: return "vector (f32, f16, bf16)";
     case TypeClass::Index: return "index (i32)";
+    case TypeClass::EngramTable: return "engram table (i8 FP8 rows, or a matrix type)";
   }
   return "?";
 }
@@ -104,6 +121,8 @@ std::string_view tensor_role_name(TensorRole role) {
     case TensorRole::DenseFfn: return "shared expert, router, MTP projection";
     case TensorRole::EmbeddingHead: return "embedding and head";
     case TensorRole::Small: return "norms, hyper-connections, biases, tables";
+    case TensorRole::EngramTables: return "engram tables (streamed)";
+    case TensorRole::VisionTower: return "vision tower";
   }
   return "?";
 }
@@ -114,10 +133,30 @@ uint64_t TensorSpec::n_elements() const {
   return n;
 }
 
+bool TensorSpec::has_name(std::string_view n) const {
+  return name == n || std::find(aliases.begin(), aliases.end(), n) != aliases.end();
+}
+
 const TensorSpec* TensorCatalog::find(std::string_view name) const {
   for (const auto& t : tensors)
-    if (t.name == name) return &t;
+    if (t.has_name(name)) return &t;
   return nullptr;
+}
+
+std::vector<uint64_t> stored_shape(const TensorSpec& spec, GgmlType type) {
+  std::vector<uint64_t> ne = spec.ne;
+  if (spec.type_class == TypeClass::EngramTable && type == GgmlType::I8 && !ne.empty())
+    ne[0] = engram_row_bytes(ne[0]);
+  return ne;
+}
+
+std::optional<uint64_t> stored_bytes(const TensorSpec& spec, GgmlType type) {
+  const std::vector<uint64_t> ne = stored_shape(spec, type);
+  const auto row = ggml_row_bytes(type, ne.empty() ? 1 : ne[0]);
+  if (!row) return std::nullopt;
+  uint64_t rows = 1;
+  for (size_t i = 1; i < ne.size(); ++i) rows *= ne[i];
+  return *row * rows;
 }
 
 size_t TensorCatalog::n_required() const {
@@ -150,6 +189,16 @@ class CatalogBuilder {
     out_.tensors.push_back(std::move(s));
   }
 
+  void vision(std::string official, std::vector<uint64_t> ne, TypeClass cls) {
+    TensorSpec s;
+    s.name = official.starts_with("vision.") ? official : "vision." + official;
+    s.ne = std::move(ne);
+    s.type_class = cls;
+    s.role = TensorRole::VisionTower;
+    s.global_kind = GlobalTensor::Vision;
+    out_.tensors.push_back(std::move(s));
+  }
+
   void block(uint32_t b, BlockTensor kind, std::vector<uint64_t> ne, TypeClass cls,
              TensorRole role, bool required = true) {
     TensorSpec s;
@@ -164,6 +213,7 @@ class CatalogBuilder {
   }
 
   TensorCatalog build() {
+    if (c_.is_v41()) return build_v41();
     const uint64_t D = c_.hidden, V = c_.vocab_size, hc = c_.hc_mult;
     using TC = TypeClass;
     using R = TensorRole;
@@ -252,6 +302,131 @@ class CatalogBuilder {
     }
   }
 
+
+  // ---- V4.1 (deepseek41): shared sources, Engram, DSpark, no hash layers, no output_hc_*.
+  TensorCatalog build_v41() {
+    const uint64_t D = c_.hidden, V = c_.vocab_size;
+    using TC = TypeClass;
+    using R = TensorRole;
+    global(GlobalTensor::TokenEmbd, {D, V}, TC::Matrix, R::EmbeddingHead);
+    global(GlobalTensor::OutputNorm, {D}, TC::Vector, R::Small);
+    global(GlobalTensor::Output, {D, V}, TC::Matrix, R::EmbeddingHead);
+    if (c_.dspark && c_.n_mtp > 0) {
+      const uint64_t rank = c_.dspark->markov_rank;
+      global(GlobalTensor::DsparkMarkovEmbd, {rank, V}, TC::Matrix, R::EmbeddingHead);
+      global(GlobalTensor::DsparkMarkovHead, {rank, V}, TC::Matrix, R::EmbeddingHead);
+      global(GlobalTensor::DsparkConfProj, {D + rank, 1}, TC::Matrix, R::Small);
+    }
+    if (c_.vision && c_.vision->in_file) add_vision();
+    for (uint32_t b = 0; b < c_.n_blocks(); ++b) add_block_v41(b);
+    return std::move(out_);
+  }
+
+  void add_block_v41(uint32_t b) {
+    using BT = BlockTensor;
+    using TC = TypeClass;
+    using R = TensorRole;
+    const uint64_t D = c_.hidden, H = c_.n_heads, hd = c_.head_dim, qr = c_.q_lora_rank;
+    const uint64_t groups = c_.o_groups, orank = c_.o_lora_rank;
+    const uint64_t hc = c_.hc_mult, mix = c_.hc_dim();
+    const uint64_t E = c_.experts_of(b), I = c_.expert_ffn;
+
+    block(b, BT::AttnNorm, {D}, TC::Vector, R::Small);
+    block(b, BT::AttnSinks, {H}, TC::Vector, R::Small);
+    block(b, BT::AttnQA, {D, qr}, TC::Matrix, R::Attention);
+    block(b, BT::AttnQANorm, {qr}, TC::Vector, R::Small);
+    block(b, BT::AttnQB, {qr, H * hd}, TC::Matrix, R::Attention);
+    block(b, BT::AttnKv, {D, hd}, TC::Matrix, R::Attention);
+    block(b, BT::AttnKvNorm, {hd}, TC::Vector, R::Small);
+    block(b, BT::AttnOutputA, {H * hd / groups, groups * orank}, TC::Matrix, R::Attention);
+    block(b, BT::AttnOutputB, {groups * orank, D}, TC::Matrix, R::Attention);
+    block(b, BT::HcAttnFn, {hc * D, mix}, TC::Matrix, R::Small);
+    block(b, BT::HcAttnBase, {mix}, TC::Vector, R::Small);
+    block(b, BT::HcAttnScale, {3}, TC::Vector, R::Small);
+    block(b, BT::HcFfnFn, {hc * D, mix}, TC::Matrix, R::Small);
+    block(b, BT::HcFfnBase, {mix}, TC::Vector, R::Small);
+    block(b, BT::HcFfnScale, {3}, TC::Vector, R::Small);
+
+    const LayerRoles roles = c_.layer_roles(b);
+    const uint64_t ih = c_.index_heads, id = c_.index_head_dim;
+    if (roles.kv_source) {
+      // No APE and no overlap (§3.3); the gate only pools groups of ratio > 1.
+      block(b, BT::CompressorKv, {D, hd}, TC::Matrix, R::Attention);
+      if (c_.ratio(b) > 1) block(b, BT::CompressorGate, {D, hd}, TC::Matrix, R::Attention);
+      block(b, BT::CompressorNorm, {hd}, TC::Vector, R::Small);
+      block(b, BT::IndexerK, {hd, id}, TC::Matrix, R::Attention);
+      block(b, BT::IndexerKNorm, {id}, TC::Vector, R::Small);
+    }
+    if (roles.index_source) {
+      block(b, BT::IndexerProj, {D, ih}, TC::Matrix, R::Attention);
+      block(b, BT::IndexerQB, {qr, ih * id}, TC::Matrix, R::Attention);
+    }
+    if (c_.is_engram_layer(b)) {
+      const EngramConfig& e = *c_.engram;
+      const uint64_t rows = e.table_rows.at(static_cast<size_t>(e.index_of(b)));
+      block(b, BT::EngramEmbd, {e.dim, rows}, TC::EngramTable, R::EngramTables);
+      block(b, BT::EngramKv, {e.kv_inputs(), (hc + 1) * D}, TC::Matrix, R::Attention);
+      block(b, BT::EngramQ, {D, hc}, TC::Vector, R::Small);
+      block(b, BT::EngramK, {D, hc}, TC::Vector, R::Small);
+      // Metrale's spellings (spec §4.2).
+      out_.tensors[out_.tensors.size() - 3].aliases = {block_alias(b, "engram_wkv.weight")};
+      out_.tensors[out_.tensors.size() - 2].aliases = {block_alias(b, "engram_q.weight")};
+      out_.tensors[out_.tensors.size() - 1].aliases = {block_alias(b, "engram_k.weight")};
+    }
+
+    block(b, BT::FfnGateInp, {D, E}, TC::Matrix, R::DenseFfn);
+    block(b, BT::FfnExpProbsB, {E}, TC::Vector, R::Small);
+    // Present in published files whether or not they keep the vision tower.
+    block(b, BT::FfnExpProbsBVl, {E}, TC::Vector, R::Small, c_.vision && c_.vision->in_file);
+    block(b, BT::FfnNorm, {D}, TC::Vector, R::Small);
+    block(b, BT::FfnGateExps, {D, I, E}, TC::Matrix, R::RoutedExperts);
+    block(b, BT::FfnUpExps, {D, I, E}, TC::Matrix, R::RoutedExperts);
+    block(b, BT::FfnDownExps, {I, D, E}, TC::Matrix, R::RoutedExperts);
+    const uint64_t shared = I * c_.n_shared_experts;
+    block(b, BT::FfnGateShexp, {D, shared}, TC::Matrix, R::DenseFfn);
+    block(b, BT::FfnUpShexp, {D, shared}, TC::Matrix, R::DenseFfn);
+    block(b, BT::FfnDownShexp, {shared, D}, TC::Matrix, R::DenseFfn);
+
+    // DSpark stages: the first projects the target layers' mean streams, the last
+    // normalises before the shared head.
+    if (c_.is_mtp(b) && c_.dspark) {
+      if (b == c_.n_layers) {
+        const uint64_t targets = c_.dspark->target_layers.size();
+        block(b, BT::DsparkMainProj, {targets * D, D}, TC::Matrix, R::DenseFfn);
+        block(b, BT::DsparkMainNorm, {D}, TC::Vector, R::Small);
+      }
+      if (b + 1 == c_.n_blocks()) block(b, BT::NextnSharedHeadNorm, {D}, TC::Vector, R::Small);
+    }
+  }
+
+  void add_vision() {
+    using TC = TypeClass;
+    const VisionConfig& v = *c_.vision;
+    const uint64_t W = v.hidden, D = c_.hidden, P = v.patch_size, F = v.ffn;
+    const uint64_t folded = W * v.downsample * v.downsample;
+    vision("vision.patch_embed.proj.weight", {3 * P * P, W}, TC::Matrix);
+    vision("vision.patch_embed.proj.bias", {W}, TC::Vector);
+    for (uint32_t l = 0; l < v.n_layers; ++l) {
+      const std::string p = fmt::format("vision.blocks.{}.", l);
+      vision(p + "attn.wqkv.weight", {W, 3 * W}, TC::Matrix);
+      vision(p + "attn.wqkv.bias", {3 * W}, TC::Vector);
+      vision(p + "attn.wo.weight", {W, W}, TC::Matrix);
+      vision(p + "attn.wo.bias", {W}, TC::Vector);
+      vision(p + "mlp.w1.weight", {W, 2 * F}, TC::Matrix);  // gate and up, stacked
+      vision(p + "mlp.w2.weight", {F, W}, TC::Matrix);
+      vision(p + "norm1.weight", {W}, TC::Vector);
+      vision(p + "norm2.weight", {W}, TC::Vector);
+    }
+    vision("vision.norm.weight", {W}, TC::Vector);
+    vision("aligner.w1.weight", {folded, D}, TC::Matrix);
+    vision("aligner.w1.bias", {D}, TC::Vector);
+    vision("aligner.w2.weight", {D, D}, TC::Matrix);
+    vision("aligner.w2.bias", {D}, TC::Vector);
+    for (const char* name : {"image_start", "image_end", "image_newline"}) vision(name, {D}, TC::Vector);
+  }
+
+  static std::string block_alias(uint32_t b, std::string_view suffix) { return fmt::format("blk.{}.{}", b, suffix); }
+
   const ModelConfig& c_;
   TensorCatalog out_;
 };
@@ -276,13 +451,20 @@ TensorCatalog build_tensor_catalog(const ModelConfig& config) {
 Status check_tensors(const TensorCatalog& catalog, std::span<const gguf::TensorInfo> tensors,
                      std::string_view file_label) {
   std::unordered_map<std::string_view, const TensorSpec*> by_name;
-  for (const auto& spec : catalog.tensors) by_name.emplace(spec.name, &spec);
+  for (const auto& spec : catalog.tensors) {
+    by_name.emplace(spec.name, &spec);
+    for (const auto& alias : spec.aliases) by_name.emplace(alias, &spec);
+  }
 
   std::vector<std::string> problems;
-  std::unordered_set<std::string_view> seen;
+  std::unordered_set<const TensorSpec*> seen;
   for (const auto& t : tensors) {
-    seen.insert(t.name);
     auto it = by_name.find(t.name);
+    if (it != by_name.end() && !seen.insert(it->second).second) {
+      problems.push_back(fmt::format("{}: tensor {}: a second copy of {} (under another published name)",
+                                     file_label, t.name, it->second->name));
+      continue;
+    }
     if (it == by_name.end()) {
       problems.push_back(fmt::format("{}: tensor {}: unexpected for this config (shape {}, {})",
                                      file_label, t.name, shape_outer_first(t.ne),
@@ -290,21 +472,22 @@ Status check_tensors(const TensorCatalog& catalog, std::span<const gguf::TensorI
       continue;
     }
     const TensorSpec& spec = *it->second;
-    if (!same_shape(t.ne, spec.ne))
+    const std::vector<uint64_t> want = stored_shape(spec, t.type);
+    if (!same_shape(t.ne, want))
       problems.push_back(fmt::format("{}: tensor {}: shape {}, expected {}", file_label, t.name,
-                                     shape_outer_first(t.ne), shape_outer_first(spec.ne)));
+                                     shape_outer_first(t.ne), shape_outer_first(want)));
     if (!type_allowed(spec.type_class, t.type))
       problems.push_back(fmt::format("{}: tensor {}: type {} not allowed, expected {}",
                                      file_label, t.name, ggml_type_name(t.type),
                                      type_class_name(spec.type_class)));
-    else if (spec.type_class == TypeClass::Matrix && !ggml_row_bytes(t.type, spec.ne[0]))
+    else if (spec.type_class != TypeClass::Vector && !ggml_row_bytes(t.type, want[0]))
       problems.push_back(fmt::format("{}: tensor {}: row length {} is not a multiple of the "
                                      "{} block size {}",
                                      file_label, t.name, spec.ne[0], ggml_type_name(t.type),
                                      ggml_traits(t.type).block_elems));
   }
   for (const auto& spec : catalog.tensors)
-    if (spec.required && !seen.contains(spec.name))
+    if (spec.required && !seen.contains(&spec))
       problems.push_back(fmt::format("{}: tensor {}: missing (shape {}, {})", file_label,
                                      spec.name, shape_outer_first(spec.ne),
                                      type_class_name(spec.type_class)));

@@ -1,8 +1,8 @@
 // The GGUF tensors of a DeepSeek-V4 model: names, shapes and allowed element types.
 //
 // This is the single source of truth for tensor names (llama.cpp's `deepseek4`
-// convention, MTP block included; docs/MODEL-FILES.md maps them to the official
-// checkpoint names). The converter writes these names, the loader checks a file against
+// convention, MTP block included, and the `deepseek41` convention of published V4.1
+// files; docs/MODEL-FILES.md maps them to the official checkpoint names). The converter writes these names, the loader checks a file against
 // build_tensor_catalog(config) before allocating anything, and the forward pass looks
 // weights up with block_tensor_name() / global_tensor_name().
 //
@@ -33,6 +33,14 @@ enum class GlobalTensor {
   OutputHcFn,     // output_hc_fn.weight    {hc*D, hc}   hyper head (spec §2.6)
   OutputHcBase,   // output_hc_base.weight  {hc}
   OutputHcScale,  // output_hc_scale.weight {1}
+  // V4.1 DSpark heads (llama.cpp's DSpark names; official mtp.<last>.markov_head.*,
+  // mtp.<last>.confidence_head.proj)
+  DsparkMarkovEmbd,  // markov_w1.weight  {rank, vocab}
+  DsparkMarkovHead,  // markov_w2.weight  {rank, vocab}
+  DsparkConfProj,    // conf_proj.weight  {D + rank, 1}
+  // V4.1 vision tower, kept by recipe: every tensor under "vision." (official names, see
+  // docs/MODEL-FILES.md); one kind for all of them.
+  Vision,
 };
 
 // Tensors of block N ("blk.N."), trunk and MTP alike; which ones a block holds depends
@@ -88,6 +96,16 @@ enum class BlockTensor {
   NextnHcHeadScale,     // nextn.hc_head_scale.weight {1}
   NextnEmbedTokens,     // nextn.embed_tokens.weight {D, vocab}     optional: token_embd
   NextnSharedHeadHead,  // nextn.shared_head_head.weight {D, vocab}  optional: output
+  // V4.1 (shared/spec/deepseek-v41.md §4.2)
+  IndexerK,        // indexer.attn_k.weight   {hd, idx_hd}  KV sources: keys from the latent
+  IndexerKNorm,    // indexer.k_norm.weight   {idx_hd}      KV sources
+  FfnExpProbsBVl,  // exp_probs_b_vl.bias     {E}           routing bias of image tokens
+  EngramEmbd,      // engram_embd.weight      {dim, rows}   the n-gram table (I8: {dim*33/32, rows})
+  EngramKv,        // engram_kv.weight        {cols*dim, (hc+1)*D}   alias engram_wkv
+  EngramQ,         // engram_q_norm.weight    {D, hc}       alias engram_q
+  EngramK,         // engram_k_norm.weight    {D, hc}       alias engram_k
+  DsparkMainProj,  // dspark_main_proj.weight {targets*D, D}  first DSpark stage
+  DsparkMainNorm,  // dspark_main_norm.weight {D}            first DSpark stage
 };
 
 std::string_view global_tensor_name(GlobalTensor t);          // "token_embd.weight"
@@ -99,6 +117,7 @@ enum class TypeClass {
   Matrix,  // any type dsv4 decodes (F32/F16/BF16, Q8_0, Q2_K..Q6_K, IQ2_XXS, MXFP4)
   Vector,  // small float data: F32, F16 or BF16 (norms, biases, sinks, hc base/scale, APE)
   Index,   // I32 (tid2eid)
+  EngramTable,  // a Matrix type, or I8 rows of FP8 codes + E8M0 scales (model/engram_table.h)
 };
 bool type_allowed(TypeClass cls, GgmlType type);
 std::string_view type_class_name(TypeClass cls);  // for messages: "matrix", ...
@@ -110,6 +129,8 @@ enum class TensorRole {
   DenseFfn,       // shared expert, router, MTP eh_proj
   EmbeddingHead,  // token_embd, output (and MTP copies)
   Small,          // norms, hyper-connection mixers, sinks, APE, biases, tid2eid
+  EngramTables,   // V4.1 engram_embd (streamed from the file, never resident)
+  VisionTower,    // V4.1 vision tower
 };
 std::string_view tensor_role_name(TensorRole role);  // "experts", "attention", ...
 
@@ -122,8 +143,10 @@ struct TensorSpec {
   std::optional<uint32_t> block;           // nullopt for global tensors
   std::optional<GlobalTensor> global_kind;  // exactly one of global_kind / block_kind
   std::optional<BlockTensor> block_kind;
+  std::vector<std::string> aliases;        // other names published files use for it
 
   uint64_t n_elements() const;
+  bool has_name(std::string_view n) const;  // the name or an alias
 };
 
 struct TensorCatalog {
@@ -141,6 +164,12 @@ TensorCatalog build_tensor_catalog(const ModelConfig& config);
 // one per line, each "<file_label>: tensor <name>: ..." (outer-first shapes).
 Status check_tensors(const TensorCatalog& catalog, std::span<const gguf::TensorInfo> tensors,
                      std::string_view file_label);
+
+// The shape a tensor has in the file when stored as `type`: `spec.ne`, except an Engram
+// table in I8 rows, whose row holds dim FP8 codes and dim/32 scales.
+std::vector<uint64_t> stored_shape(const TensorSpec& spec, GgmlType type);
+// Bytes of the tensor stored as `type` (nullopt when its rows do not fit the type's blocks).
+std::optional<uint64_t> stored_bytes(const TensorSpec& spec, GgmlType type);
 
 // "[512, 4096]" for ne = {4096, 512} (outer-first, as errors print shapes).
 std::string shape_outer_first(std::span<const uint64_t> ne);

@@ -1,5 +1,7 @@
 #include "model/weights.h"
 
+#include <fmt/format.h>
+
 #include <vector>
 
 #include "gguf/gguf_file.h"
@@ -53,6 +55,19 @@ class Loader {
     DSV4_TRY(be_.upload(t, info->data, info->nbytes));
     return t;
   }
+
+  // The first of `names` the file has (published V4.1 files spell some tensors two ways).
+  Result<Tensor> matrix_any(std::initializer_list<std::string> names) {
+    for (const auto& n : names)
+      if (files_.find_tensor(n)) return matrix(n);
+    return missing(*names.begin(), true);
+  }
+  Result<Tensor> vector_any(std::initializer_list<std::string> names) {
+    for (const auto& n : names)
+      if (files_.find_tensor(n)) return vector(n);
+    return missing(*names.begin(), true);
+  }
+  const ModelFiles& files() const { return files_; }
 
   Result<HcSite> hc_site(uint32_t block, BlockTensor fn, BlockTensor base, BlockTensor scale,
                          bool required = true) {
@@ -126,12 +141,92 @@ Result<BlockWeights> load_block(Loader& l, const ModelConfig& c, uint32_t b) {
   return w;
 }
 
+// ---- V4.1 (deepseek41) ----
+Result<BlockWeights> load_block_v41(Loader& l, const ModelConfig& c, uint32_t b) {
+  using T = BlockTensor;
+  BlockWeights w;
+  DSV4_ASSIGN_OR_RETURN(w.attn_norm, l.vector(b, T::AttnNorm));
+  DSV4_ASSIGN_OR_RETURN(w.sinks, l.vector(b, T::AttnSinks));
+  DSV4_ASSIGN_OR_RETURN(w.q_a, l.matrix(b, T::AttnQA));
+  DSV4_ASSIGN_OR_RETURN(w.q_a_norm, l.vector(b, T::AttnQANorm));
+  DSV4_ASSIGN_OR_RETURN(w.q_b, l.matrix(b, T::AttnQB));
+  DSV4_ASSIGN_OR_RETURN(w.kv, l.matrix(b, T::AttnKv));
+  DSV4_ASSIGN_OR_RETURN(w.kv_norm, l.vector(b, T::AttnKvNorm));
+  DSV4_ASSIGN_OR_RETURN(w.out_a, l.matrix(b, T::AttnOutputA));
+  DSV4_ASSIGN_OR_RETURN(w.out_b, l.matrix(b, T::AttnOutputB));
+  DSV4_ASSIGN_OR_RETURN(w.hc_attn, l.hc_site(b, T::HcAttnFn, T::HcAttnBase, T::HcAttnScale));
+  DSV4_ASSIGN_OR_RETURN(w.hc_ffn, l.hc_site(b, T::HcFfnFn, T::HcFfnBase, T::HcFfnScale));
+  const LayerRoles roles = c.layer_roles(b);
+  if (roles.kv_source) {
+    DSV4_ASSIGN_OR_RETURN(w.compressor.kv, l.matrix(b, T::CompressorKv));
+    if (c.ratio(b) > 1) {
+      DSV4_ASSIGN_OR_RETURN(w.compressor.gate, l.matrix(b, T::CompressorGate));
+    }
+    DSV4_ASSIGN_OR_RETURN(w.compressor.norm, l.vector(b, T::CompressorNorm));
+    DSV4_ASSIGN_OR_RETURN(w.index_k, l.matrix(b, T::IndexerK));
+    DSV4_ASSIGN_OR_RETURN(w.index_k_norm, l.vector(b, T::IndexerKNorm));
+  }
+  if (roles.index_source) {
+    DSV4_ASSIGN_OR_RETURN(w.index_proj, l.matrix(b, T::IndexerProj));
+    DSV4_ASSIGN_OR_RETURN(w.index_q_b, l.matrix(b, T::IndexerQB));
+  }
+  if (c.is_engram_layer(b)) {
+    auto alias = [b](const char* suffix) { return fmt::format("blk.{}.{}", b, suffix); };
+    w.engram.table = l.files().find_tensor(block_tensor_name(b, T::EngramEmbd));
+    if (!w.engram.table)
+      return Status::errorf("{}: tensor {} is missing", l.files().label(), block_tensor_name(b, T::EngramEmbd));
+    DSV4_ASSIGN_OR_RETURN(w.engram.kv, l.matrix_any({block_tensor_name(b, T::EngramKv), alias("engram_wkv.weight")}));
+    DSV4_ASSIGN_OR_RETURN(w.engram.q, l.vector_any({block_tensor_name(b, T::EngramQ), alias("engram_q.weight")}));
+    DSV4_ASSIGN_OR_RETURN(w.engram.k, l.vector_any({block_tensor_name(b, T::EngramK), alias("engram_k.weight")}));
+  }
+  DSV4_ASSIGN_OR_RETURN(w.ffn_norm, l.vector(b, T::FfnNorm));
+  DSV4_ASSIGN_OR_RETURN(w.gate_inp, l.matrix(b, T::FfnGateInp));
+  DSV4_ASSIGN_OR_RETURN(w.exp_probs_b, l.vector(b, T::FfnExpProbsB));
+  DSV4_ASSIGN_OR_RETURN(w.exp_probs_b_vl, l.vector(b, T::FfnExpProbsBVl, false));
+  DSV4_ASSIGN_OR_RETURN(w.gate_exps, l.matrix(b, T::FfnGateExps));
+  DSV4_ASSIGN_OR_RETURN(w.up_exps, l.matrix(b, T::FfnUpExps));
+  DSV4_ASSIGN_OR_RETURN(w.down_exps, l.matrix(b, T::FfnDownExps));
+  DSV4_ASSIGN_OR_RETURN(w.gate_shexp, l.matrix(b, T::FfnGateShexp));
+  DSV4_ASSIGN_OR_RETURN(w.up_shexp, l.matrix(b, T::FfnUpShexp));
+  DSV4_ASSIGN_OR_RETURN(w.down_shexp, l.matrix(b, T::FfnDownShexp));
+  if (c.is_mtp(b) && c.dspark) {
+    if (b == c.n_layers) {
+      DSV4_ASSIGN_OR_RETURN(w.dspark_main_proj, l.matrix(b, T::DsparkMainProj));
+      DSV4_ASSIGN_OR_RETURN(w.dspark_main_norm, l.vector(b, T::DsparkMainNorm));
+    }
+    if (b + 1 == c.n_blocks()) {
+      DSV4_ASSIGN_OR_RETURN(w.head_norm, l.vector(b, T::NextnSharedHeadNorm));
+    }
+  }
+  return w;
+}
+
+Result<ModelWeights> load_v41(Loader& l, const ModelConfig& config) {
+  ModelWeights w;
+  DSV4_ASSIGN_OR_RETURN(w.token_embd, l.matrix(std::string(global_tensor_name(GlobalTensor::TokenEmbd))));
+  DSV4_ASSIGN_OR_RETURN(w.output_norm, l.vector(std::string(global_tensor_name(GlobalTensor::OutputNorm))));
+  DSV4_ASSIGN_OR_RETURN(w.output, l.matrix(std::string(global_tensor_name(GlobalTensor::Output))));
+  if (config.dspark && config.n_mtp > 0) {
+    DSV4_ASSIGN_OR_RETURN(w.dspark.markov_embd,
+                          l.matrix(std::string(global_tensor_name(GlobalTensor::DsparkMarkovEmbd))));
+    DSV4_ASSIGN_OR_RETURN(w.dspark.markov_head,
+                          l.matrix(std::string(global_tensor_name(GlobalTensor::DsparkMarkovHead))));
+    DSV4_ASSIGN_OR_RETURN(w.dspark.conf_proj, l.matrix(std::string(global_tensor_name(GlobalTensor::DsparkConfProj))));
+  }
+  for (uint32_t b = 0; b < config.n_blocks(); ++b) {
+    DSV4_ASSIGN_OR_RETURN(BlockWeights bw, load_block_v41(l, config, b));
+    w.blocks.push_back(std::move(bw));
+  }
+  return w;
+}
+
 }  // namespace
 
 Result<ModelWeights> ModelWeights::load(const ModelFiles& files, backend::Backend& backend) {
   DSV4_TRY(files.check());
   const ModelConfig& config = files.config();
   Loader l(files, backend);
+  if (config.is_v41()) return load_v41(l, config);
   ModelWeights w;
   DSV4_ASSIGN_OR_RETURN(w.token_embd, l.matrix(std::string(global_tensor_name(GlobalTensor::TokenEmbd))));
   DSV4_ASSIGN_OR_RETURN(w.output_norm, l.vector(std::string(global_tensor_name(GlobalTensor::OutputNorm))));

@@ -1,6 +1,7 @@
 // Built-in model geometries: `tiny` (the fixture's shapes with the real vocabulary; the
 // built-in default model), `small` (a mid-size model for CPU benchmarks) and `flash`
-// (DeepSeek-V4-Flash exactly, spec §1.1). `dsv4 synth` and `dsv4 info --preset` use them.
+// (DeepSeek-V4-Flash exactly, spec §1.1); for V4.1 `tiny41`, `small41` and `flash41`
+// (DeepSeek-V4.1-Flash exactly). `dsv4 synth` and `dsv4 info --preset` use them.
 #pragma once
 
 #include <cstdint>
@@ -21,16 +22,22 @@ struct Preset {
   GgmlType default_dense_type;   // every other matrix
 };
 
-std::span<const std::string_view> preset_names();  // "tiny", "small", "flash"
+std::span<const std::string_view> preset_names();  // "tiny", "small", "flash", "tiny41", ...
 Result<Preset> find_preset(std::string_view name);  // error lists the known names
 
 ModelConfig tiny_config();
 ModelConfig interop_config();  // tiny with ratios 0 / 4 / 128 (what llama.cpp accepts)
 ModelConfig small_config();
 ModelConfig flash_config();
+// V4.1 (deepseek41): the tiny-v41 fixture's schedule, a CPU-benchmark size, V4.1-Flash.
+ModelConfig tiny41_config();
+ModelConfig small41_config();
+ModelConfig flash41_config();
 
 // Keeps the first `n_layers` trunk layers (and the MTP blocks), for benchmarks that
-// compare per-layer cost on the full geometry. Hash layers beyond the cut are dropped.
+// compare per-layer cost on the full geometry. Hash layers beyond the cut are dropped;
+// for V4.1 so are sources, the candidate source and Engram layers beyond it, and DSpark
+// targets beyond it move to the last kept layer.
 Result<ModelConfig> keep_first_layers(const ModelConfig& config, uint32_t n_layers);
 
 }  // namespace dsv4

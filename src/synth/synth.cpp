@@ -10,8 +10,12 @@
 #include "gguf/gguf_value.h"
 #include "gguf/gguf_writer.h"
 #include "gguf/quant.h"
+#include "model/engram.h"
+#include "model/engram_table.h"
 #include "text/builtin_tokenizer.h"
+#include "text/engram_vocab.h"
 #include "text/tokenizer_json.h"
+#include "util/float_formats.h"
 #include "util/thread_pool.h"
 
 namespace dsv4 {
@@ -136,6 +140,11 @@ void fill_row(const RowContext& ctx, uint64_t row, float* out) {
       case GlobalTensor::OutputHcFn: return fill_normal(rng, out, n, 0, 1.5 / std::sqrt(hc_in));
       case GlobalTensor::OutputHcBase: return fill_normal(rng, out, n, 0, 0.5f);
       case GlobalTensor::OutputHcScale: return fill_normal(rng, out, n, 0.5f, 0.1f);
+      // V4.1 (the tiny-v41 fixture's recipe): Markov embedding 0.3 N, head and confidence N/sqrt(in).
+      case GlobalTensor::DsparkMarkovEmbd: return fill_normal(rng, out, n, 0, 0.3f);
+      case GlobalTensor::DsparkMarkovHead:
+      case GlobalTensor::DsparkConfProj: return fill_normal(rng, out, n, 0, 1 / std::sqrt(static_cast<double>(n)));
+      case GlobalTensor::Vision: return fill_normal(rng, out, n, 0, 1 / std::sqrt(static_cast<double>(n)));
     }
   }
 
@@ -226,12 +235,71 @@ void fill_row(const RowContext& ctx, uint64_t row, float* out) {
       return fill_normal(rng, out, n, 0, 1);
     case BT::NextnSharedHeadHead:
       return fill_normal(rng, out, n, 0, 1 / std::sqrt(D));
+    // V4.1, drawn as the tiny-v41 fixture draws them.
+    case BT::IndexerKNorm:
+    case BT::DsparkMainNorm:
+      return fill_normal(rng, out, n, 1, 0.1f);
+    case BT::IndexerK:
+    case BT::DsparkMainProj:
+      return fill_dense_linear(ctx, row, out, static_cast<double>(n));
+    case BT::FfnExpProbsBVl:
+      return fill_normal(rng, out, n, 0, 0.2f);
+    case BT::EngramEmbd: {
+      // N times 2^U(-1,1) per (row, 32 values).
+      for (uint64_t col0 = 0; col0 < n; col0 += 32) {
+        const float scale = static_cast<float>(std::exp2(keyed_uniform(mix(mix(ctx.tensor_key, row), col0), -1, 1)));
+        for (uint64_t col = col0; col < std::min(n, col0 + 32); ++col) out[col] = scale * rng.normal();
+      }
+      return;
+    }
+    case BT::EngramKv:  // gain 0.1: the gated value stays a small correction
+      fill_dense_linear(ctx, row, out, static_cast<double>(n));
+      for (uint64_t i = 0; i < n; ++i) out[i] *= 0.1f;
+      return;
+    case BT::EngramQ:
+    case BT::EngramK:
+      return fill_normal(rng, out, n, 1, 0.3f);
   }
 }
 
 bool is_hc_mixer(const TensorSpec& spec) {
   return spec.global_kind == GlobalTensor::OutputHcFn || spec.block_kind == BlockTensor::HcAttnFn ||
          spec.block_kind == BlockTensor::HcFfnFn || spec.block_kind == BlockTensor::NextnHcHeadFn;
+}
+
+// One Engram table row as the release stores it: FP8 codes under a power-of-two scale per
+// 32 values (2^ceil(log2(amax / 448)), the fixture's rule), then the E8M0 scales.
+void encode_fp8_engram_row(const float* values, uint32_t dim, uint8_t* dst) {
+  std::vector<uint8_t> codes(dim), scales(dim / 32);
+  for (uint32_t g = 0; g < dim / 32; ++g) {
+    float amax = 0;
+    for (uint32_t k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(values[32 * g + k]));
+    int e = 0;
+    if (amax > 0) {
+      const float m = std::frexp(amax / kE4M3Max, &e);
+      if (m == 0.5f) --e;
+    }
+    scales[g] = static_cast<uint8_t>(std::clamp(e + 127, 1, 254));
+    const float inv = 1.0f / e8m0_to_f32(scales[g]);
+    for (uint32_t k = 0; k < 32; ++k) codes[32 * g + k] = f32_to_e4m3(values[32 * g + k] * inv);
+  }
+  encode_engram_fp8_row(codes.data(), scales.data(), dim, dst);
+}
+
+// The compressed token map of DeepSeek's tokenizer and the official hash constants.
+Status write_v41_engram_metadata(gguf::GgufWriter& writer, const ModelConfig& c) {
+  DSV4_ASSIGN_OR_RETURN(text::TokenizerVocab vocab,
+                        text::parse_tokenizer_json(text::builtin_tokenizer_json(), "built-in tokenizer.json"));
+  DSV4_ASSIGN_OR_RETURN(text::CompressedVocab map, text::compressed_token_map(vocab));
+  if (map.size != c.engram->compressed_vocab_size)
+    return Status::errorf("synth: DeepSeek's tokenizer has {} Engram ids, the config says {}", map.size,
+                          c.engram->compressed_vocab_size);
+  map.token_map.resize(c.vocab_size, map.token_map.at(c.engram->pad_token_id));  // ids past the tokenizer
+  DSV4_ASSIGN_OR_RETURN(EngramHashConstants k, compute_engram_hash_constants(*c.engram));
+  DSV4_ASSIGN_OR_RETURN(EngramHasher hasher, EngramHasher::create(*c.engram, std::move(k), std::move(map.token_map)));
+  write_engram_hash_metadata(writer, c, hasher);
+  writer.set(fmt::format("{}.engram.encoding", c.architecture()), gguf::Value::string(engram_row_encoding(c.engram->dim)));
+  return Status::ok();
 }
 
 constexpr uint64_t kChunkBytes = uint64_t{32} << 20;
@@ -242,6 +310,8 @@ constexpr uint64_t kGrainElements = 1 << 16;  // values per parallel work item, 
 GgmlType synth_tensor_type(const TensorSpec& spec, GgmlType expert_type, GgmlType dense_type,
                            std::string* note) {
   if (spec.type_class == TypeClass::Index) return GgmlType::I32;
+  // Engram tables as the release stores them: FP8 rows with E8M0 scales.
+  if (spec.type_class == TypeClass::EngramTable) return GgmlType::I8;
   if (spec.type_class == TypeClass::Vector) return GgmlType::F32;
   // The APE is small; llama.cpp's converter keeps it in the checkpoint's f32.
   if (spec.block_kind == BlockTensor::CompressorApe || spec.block_kind == BlockTensor::IndexerCompressorApe)
@@ -299,12 +369,14 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
                                             writer, topts));
   }
 
+  if (c.engram && file.part != GgufPart::MtpSidecar) DSV4_TRY(write_v41_engram_metadata(writer, c));
+
   std::vector<GgmlType> types;
   for (const auto& [spec, name] : file.tensors) {
     std::string note;
     types.push_back(synth_tensor_type(*spec, opts.expert_type, opts.dense_type, &note));
     if (!note.empty()) report.notes.push_back(std::move(note));
-    DSV4_TRY(writer.add_tensor(name, types.back(), spec->ne));
+    DSV4_TRY(writer.add_tensor(name, types.back(), stored_shape(*spec, types.back())));
   }
   DSV4_TRY(writer.begin());
 
@@ -315,7 +387,7 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
     const TensorSpec& spec = *file.tensors[i].first;
     const GgmlType type = types[i];
     const uint64_t n = spec.ne[0];
-    const uint64_t row_bytes = *ggml_row_bytes(type, n);
+    const uint64_t row_bytes = *ggml_row_bytes(type, stored_shape(spec, type)[0]);
     const uint64_t n_rows = spec.n_elements() / n;
     const uint64_t rows_per_chunk = std::max<uint64_t>(1, kChunkBytes / row_bytes);
     // Keyed by the catalog name, so a tensor has the same values in whichever file it lands.
@@ -329,7 +401,9 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
         for (int64_t r = begin; r < end; ++r) {
           fill_row(ctx, row0 + r, values.data());
           uint8_t* dst = chunk.data() + r * row_bytes;
-          if (type == GgmlType::I32) {
+          if (type == GgmlType::I8) {
+            encode_fp8_engram_row(values.data(), static_cast<uint32_t>(n), dst);
+          } else if (type == GgmlType::I32) {
             for (uint64_t k = 0; k < n; ++k) {
               const int32_t v = static_cast<int32_t>(values[k]);
               std::memcpy(dst + 4 * k, &v, 4);
@@ -363,7 +437,7 @@ Result<SynthReport> write_synthetic_model(const std::string& path, const SynthOp
   const TensorCatalog catalog = build_tensor_catalog(c);
   const std::vector<const TensorSpec*> specs = synth_tensor_list(catalog);
   std::vector<SynthFile> files;
-  if (opts.layout == WriteLayout::Bundled || c.n_mtp == 0) {
+  if (opts.layout == WriteLayout::Bundled || c.n_mtp == 0 || c.is_v41()) {  // V4.1: DSpark stages stay in the file
     files.push_back({path, c.n_mtp == 0 ? GgufPart::Trunk : GgufPart::Bundled, {}});
     for (const TensorSpec* spec : specs) files[0].tensors.emplace_back(spec, spec->name);
   } else {

@@ -426,6 +426,16 @@ Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text) const {
   return out;
 }
 
+std::string byte_level_token_bytes(std::string_view token) {
+  static const std::unordered_map<uint32_t, uint8_t> c2b = [] {
+    std::unordered_map<uint32_t, uint8_t> m;
+    const auto b2c = byte_to_codepoint();
+    for (uint32_t b = 0; b < 256; ++b) m[b2c[b]] = static_cast<uint8_t>(b);
+    return m;
+  }();
+  return byte_level_decode(token, c2b);
+}
+
 std::string Tokenizer::decode(std::span<const TokenId> ids) const {
   std::string out;
   for (TokenId id : ids) out.append(token_bytes(id));

@@ -77,6 +77,10 @@ class StreamDecoder {
   std::string pending_;
 };
 
+// Hugging Face's ByteLevel decoder on one vocabulary string: each character back to its
+// byte, or the string's own bytes when one character is outside GPT-2's byte alphabet.
+std::string byte_level_token_bytes(std::string_view token);
+
 // Validates UTF-8 (no overlongs, no surrogates, at most U+10FFFF); returns the offset of
 // the first bad byte, or npos.
 size_t find_invalid_utf8(std::string_view s);

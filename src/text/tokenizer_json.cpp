@@ -93,7 +93,7 @@ Result<TokenizerVocab> parse_tokenizer_json(std::string_view text, std::string_v
     if (!(type_of(norm) == "Sequence" && inner && inner->is_array() && inner->empty()))
       return Status::errorf("{}: normalizer {} is not supported (expected none)", source, type_of(norm));
   }
-  DSV4_TRY(check_pre_tokenizer(find_key(root, "pre_tokenizer"), source));
+  if (!opts.vocabulary_only) DSV4_TRY(check_pre_tokenizer(find_key(root, "pre_tokenizer"), source));
 
   const json* vocab = find_key(*model, "vocab");
   const json* merges = find_key(*model, "merges");

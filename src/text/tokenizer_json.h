@@ -37,6 +37,9 @@ struct TokenizerJsonOptions {
   // Pads the token list with unused "[PAD<id>]" entries up to this size (the model's
   // vocab_size may exceed the tokenizer's); 0 = no padding.
   uint32_t min_vocab_size = 0;
+  // Accept any pre-tokenizer: for reading the vocabulary only (V4.1's Engram token map of
+  // a test tokenizer); such a vocabulary must not be written as the model's tokenizer.
+  bool vocabulary_only = false;
 };
 
 // What GGUF stores of a tokenizer, tokens by id.

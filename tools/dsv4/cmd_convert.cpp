@@ -27,6 +27,7 @@ struct ConvertCliOptions {
   bool force = false;
   bool bundled = false;
   bool dry_run = false;
+  bool keep_vision = false;
 };
 
 // "50G", "500M", "64K" (powers of 1000, as llama.cpp's gguf-split reads them) or bytes.
@@ -103,6 +104,7 @@ int run_convert(const ConvertCliOptions& o) {
   if (!recipe) return usage(recipe.status());
   for (const std::string& t : o.types)
     if (Status s = convert::apply_type_override(*recipe, t); !s) return usage(s);
+  recipe->keep_vision = o.keep_vision;
   auto split = parse_size(o.split_max_size);
   if (!split) return usage(split.status());
 
@@ -163,12 +165,15 @@ void register_convert(CLI::App& app, CommandRunner& run) {
   app.add_option("--recipe", o->recipe, recipes)->capture_default_str();
   app.add_option("--type", o->types,
                  "ROLE=TYPE override, repeatable; roles: experts, experts_down, attention, shared, "
-                 "embedding, head, indexer, compressor, router, mtp, small, all");
+                 "embedding, head, indexer, compressor, router, mtp, small, engram (V4.1 tables: i8 = the official "
+                 "FP8 rows, or a matrix type), all");
   app.add_option("--split-max-size", o->split_max_size, "split the output into parts of at most SIZE (e.g. 50G)");
   app.add_option("--threads", o->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
   app.add_flag("--force", o->force, "replace an existing output file");
   app.add_flag("--bundled", o->bundled,
                "one file with the MTP block inside (default: llama.cpp's trunk + mtp-<name> sidecar)");
+  app.add_flag("--keep-vision", o->keep_vision,
+               "V4.1: keep the vision tower and the image-token routing bias (dropped by default)");
   app.add_flag("--dry-run", o->dry_run, "print the plan (types, sizes, fallbacks) from config.json only");
   run = [o] { return run_convert(*o); };
 }

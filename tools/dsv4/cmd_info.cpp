@@ -72,6 +72,49 @@ char kind_letter(AttentionKind k) {
   return k == AttentionKind::Window ? 'W' : (k == AttentionKind::CSA ? 'C' : 'H');
 }
 
+// ---- V4.1: the layer schedule with sources, Engram and DSpark ----
+std::string v41_role_text(const ModelConfig& c, uint32_t b) {
+  const LayerRoles r = c.layer_roles(b);
+  if (c.is_mtp(b)) return "DSpark stage (window only)";
+  if (c.ratio(b) == 0) return "window only";
+  std::string role = r.kv_source ? (r.index_source ? "KV + index source" : "KV source")
+                                 : (r.index_source ? "index source" : "consumer");
+  if (r.candidate_source) role += ", candidate source";
+  if (r.uses_candidates) role += ", uses candidates";
+  return role;
+}
+
+void print_config_v41(const ModelConfig& c) {
+  fmt::print("  V4.1 schedule       layer  ratio  role                                    KV cache  selection  engram\n");
+  for (uint32_t b = 0; b < c.n_blocks(); ++b) {
+    const LayerRoles r = c.layer_roles(b);
+    auto layer_text = [](int32_t l) { return l < 0 ? std::string("-") : std::to_string(l); };
+    const std::string name = c.is_mtp(b) ? fmt::format("mtp.{}", b - c.n_layers) : std::to_string(b);
+    fmt::print("                      {:>5}  {:>5}  {:<38}  {:>8}  {:>9}  {}\n", name, c.ratio(b), v41_role_text(c, b),
+               layer_text(r.kv_source_layer), layer_text(r.index_source_layer), c.is_engram_layer(b) ? "yes" : "");
+  }
+  fmt::print("  sources             KV [{}], index [{}]\n", fmt::join(c.kv_source_layers, ", "),
+             fmt::join(c.index_source_layers, ", "));
+  if (c.candidate)
+    fmt::print("  candidate blocks    source layer {}, top {} blocks of {} entries\n", c.candidate->source_layer,
+               c.candidate->topk_blocks, c.candidate->block_size);
+  if (c.engram) {
+    const EngramConfig& e = *c.engram;
+    fmt::print("  engram              layers [{}], n-grams 2-{} x {} heads = {} rows of {} per token and layer; "
+               "table rows [{}]; hash vocabulary {}, compressed vocabulary {}, pad token {}\n",
+               fmt::join(e.layers, ", "), e.ngram, e.heads, e.columns(), e.dim, fmt::join(e.table_rows, ", "),
+               with_commas(e.hash_vocab_size), with_commas(e.compressed_vocab_size), e.pad_token_id);
+  }
+  if (c.dspark)
+    fmt::print("  DSpark              {} stages, blocks of {}, {} experts top-{}, Markov rank {}, noise token {}, "
+               "targets [{}]\n", c.n_mtp, c.dspark->block_size, c.dspark->n_experts, c.dspark->n_experts_used,
+               c.dspark->markov_rank, c.dspark->noise_token_id, fmt::join(c.dspark->target_layers, ", "));
+  if (c.vision)
+    fmt::print("  vision              image token {}; tower {} (image input is refused)\n", c.vision->image_token_id,
+               c.vision->in_file ? fmt::format("in the file ({} layers x {})", c.vision->n_layers, c.vision->hidden)
+                                 : std::string("not in the file"));
+}
+
 void print_config(const ModelConfig& c) {
   uint32_t n_window = 0, n_csa = 0, n_hca = 0;
   std::map<uint32_t, uint32_t> hca_ratios;
@@ -102,11 +145,15 @@ void print_config(const ModelConfig& c) {
   fmt::print("  attention           {} heads x {} (rope {}), q rank {}, output {} groups x rank {}, "
              "window {}\n", c.n_heads, c.head_dim, c.rope.dims, c.q_lora_rank, c.o_groups,
              c.o_lora_rank, c.sliding_window);
-  fmt::print("  layer kinds         {} window, {} CSA (ratio 4), {} HCA{}{}\n", n_window, n_csa, n_hca,
-             hca_text.empty() ? "" : " (", hca_text.empty() ? "" : hca_text + ")");
-  fmt::print("  schedule            {}{}{}  (W window, C CSA, H HCA)\n", schedule,
-             mtp_schedule.empty() ? "" : " | MTP ", mtp_schedule);
-  if (n_csa > 0)
+  if (c.is_v41()) {
+    print_config_v41(c);
+  } else {
+    fmt::print("  layer kinds         {} window, {} CSA (ratio 4), {} HCA{}{}\n", n_window, n_csa, n_hca,
+               hca_text.empty() ? "" : " (", hca_text.empty() ? "" : hca_text + ")");
+    fmt::print("  schedule            {}{}{}  (W window, C CSA, H HCA)\n", schedule,
+               mtp_schedule.empty() ? "" : " | MTP ", mtp_schedule);
+  }
+  if (n_csa > 0 || !c.index_source_layers.empty())
     fmt::print("  indexer             {} heads x {}, top-k {}\n", c.index_heads, c.index_head_dim,
                c.index_topk);
   fmt::print("  MoE                 {} experts, top-{} + {} shared, width {}, {} hash-routed "
@@ -168,6 +215,15 @@ std::string per_token_text(double bytes) {
   return fmt::format("{:.2f} B", bytes);
 }
 
+// Engram tables stay in the file: their bytes, and what a token reads from them.
+void print_engram_plan(const ModelConfig& c, uint64_t table_bytes, uint64_t row_bytes) {
+  if (!c.engram) return;
+  const uint64_t rows_per_token = uint64_t{c.engram->columns()} * c.engram->layers.size();
+  fmt::print("  engram tables (streamed from the file, not resident): {}; {} rows of {} B read per token "
+             "({} per token)\n", bytes_both(table_bytes), rows_per_token, row_bytes,
+             bytes_both(rows_per_token * row_bytes));
+}
+
 void print_memory_plan(const ModelConfig& c, uint64_t weight_bytes, uint64_t ctx) {
   const CacheLayout ref = plan_cache_layout(c, CacheFormat::ReferenceBf16);
   const CacheLayout packed = plan_cache_layout(c, CacheFormat::Packed);
@@ -177,27 +233,60 @@ void print_memory_plan(const ModelConfig& c, uint64_t weight_bytes, uint64_t ctx
   };
   auto hb = [](uint64_t x) { return human_bytes(static_cast<double>(x)); };
   fmt::print("memory plan:\n");
-  fmt::print("  weights                              {}\n", bytes_both(weight_bytes));
+  fmt::print("  weights{}                      {}\n", c.engram ? " (engram tables apart)" : "", bytes_both(weight_bytes));
   fmt::print("  cache per sequence (spec §6):\n");
   row("", std::string(cache_format_name(CacheFormat::ReferenceBf16)),
       std::string(cache_format_name(CacheFormat::Packed)));
-  row("KV entry / indexer key",
-      fmt::format("{} / {} B", kv_entry_bytes(c, CacheFormat::ReferenceBf16),
-                  index_key_bytes(c, CacheFormat::ReferenceBf16)),
-      fmt::format("{} / {} B", kv_entry_bytes(c, CacheFormat::Packed),
-                  index_key_bytes(c, CacheFormat::Packed)));
+  if (c.is_v41()) {
+    auto sizes = [&](CacheFormat f) {
+      return fmt::format("{} / {} / {} B", v41_window_entry_bytes(c, f), v41_compressed_entry_bytes(c, f),
+                         index_key_bytes(c, f));
+    };
+    row("window slot / entry / index key", sizes(CacheFormat::ReferenceBf16), sizes(CacheFormat::Packed));
+  } else {
+    row("KV entry / indexer key",
+        fmt::format("{} / {} B", kv_entry_bytes(c, CacheFormat::ReferenceBf16),
+                    index_key_bytes(c, CacheFormat::ReferenceBf16)),
+        fmt::format("{} / {} B", kv_entry_bytes(c, CacheFormat::Packed),
+                    index_key_bytes(c, CacheFormat::Packed)));
+  }
   row("growth per token", per_token_text(ref.bytes_per_token()), per_token_text(packed.bytes_per_token()));
   row(fmt::format("fixed: windows ({} x {} slots)", c.n_blocks(), c.sliding_window), hb(rt.windows),
       hb(pt.windows));
   row("fixed: compressor states (fp32)", hb(rt.compressor_states), hb(pt.compressor_states));
   fmt::print("    at {} tokens:\n", with_commas(ctx));
-  row("  CSA compressed KV", hb(rt.csa_entries), hb(pt.csa_entries));
-  row("  CSA indexer keys", hb(rt.index_keys), hb(pt.index_keys));
-  row("  HCA compressed KV", hb(rt.hca_entries), hb(pt.hca_entries));
+  if (c.is_v41()) {
+    row("  compressed KV (KV sources)", hb(rt.shared_entries), hb(pt.shared_entries));
+    row("  index keys (KV sources)", hb(rt.index_keys), hb(pt.index_keys));
+  } else {
+    row("  CSA compressed KV", hb(rt.csa_entries), hb(pt.csa_entries));
+    row("  CSA indexer keys", hb(rt.index_keys), hb(pt.index_keys));
+    row("  HCA compressed KV", hb(rt.hca_entries), hb(pt.hca_entries));
+  }
   row("  total", hb(rt.total()), hb(pt.total()));
   row("  total bytes", with_commas(rt.total()), with_commas(pt.total()));
   fmt::print("  weights + one sequence at {} tokens: {} (reference), {} (packed)\n", with_commas(ctx),
              hb(weight_bytes + rt.total()), hb(weight_bytes + pt.total()));
+  if (c.is_v41())
+    fmt::print("  (V4.1 also keeps per sequence the Engram n-gram history and the carried fp32 hyper-connection mix)\n");
+}
+
+uint64_t engram_bytes(const std::vector<TensorEntry>& tensors) {
+  uint64_t n = 0;
+  for (const auto& t : tensors)
+    if (t.role == TensorRole::EngramTables) n += t.nbytes;
+  return n;
+}
+
+// Bytes of one table row as stored (the first table's).
+uint64_t engram_row_bytes_of(const std::vector<TensorEntry>& tensors, const ModelConfig& c) {
+  if (!c.engram) return 0;
+  for (const auto& t : tensors)
+    if (t.role == TensorRole::EngramTables) {
+      const uint64_t rows = c.engram->table_rows.empty() ? 1 : c.engram->table_rows.front();
+      return rows ? t.nbytes / rows : 0;
+    }
+  return 0;
 }
 
 int report_error(const Status& s) {
@@ -244,7 +333,8 @@ int info_for_file(const std::string& path, const std::string& mtp_path, uint64_t
   const uint64_t weight_bytes = print_tensors(entries, catalog.n_required());
   const Status check = files->check();
   fmt::print("catalog check: {}\n", check.is_ok() ? "ok" : check.message());
-  print_memory_plan(config, weight_bytes, ctx ? ctx : config.context_length);
+  print_memory_plan(config, weight_bytes - engram_bytes(entries), ctx ? ctx : config.context_length);
+  print_engram_plan(config, engram_bytes(entries), engram_row_bytes_of(entries, config));
   return check.is_ok() ? kExitOk : kExitFailure;
 }
 
@@ -271,13 +361,13 @@ int info_for_preset(const InfoOptions& o) {
   std::vector<TensorEntry> entries;
   for (const TensorSpec* spec : synth_tensor_list(catalog)) {
     const GgmlType type = synth_tensor_type(*spec, experts, dense, nullptr);
-    entries.push_back({spec->name, type, *ggml_row_bytes(type, spec->ne[0]) * (spec->n_elements() / spec->ne[0]),
-                       spec->role});
+    entries.push_back({spec->name, type, *stored_bytes(*spec, type), spec->role});
   }
   fmt::print("as `dsv4 synth` writes it (experts {}, other matrices {}):\n", ggml_type_name(experts),
              ggml_type_name(dense));
   const uint64_t weight_bytes = print_tensors(entries, catalog.n_required());
-  print_memory_plan(config, weight_bytes, o.ctx ? o.ctx : config.context_length);
+  print_memory_plan(config, weight_bytes - engram_bytes(entries), o.ctx ? o.ctx : config.context_length);
+  print_engram_plan(config, engram_bytes(entries), engram_row_bytes_of(entries, config));
   return kExitOk;
 }
 
@@ -304,7 +394,7 @@ void register_info(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<InfoOptions>();
   app.add_option("file", o->file, "GGUF model file (any part of a split set); default: the built-in model");
   app.add_option("--mtp", o->mtp, "MTP sidecar of a trunk-only file (default: mtp-*.gguf found next to it)");
-  app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, small, flash");
+  app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, interop, small, flash, tiny41, small41, flash41");
   app.add_option("--ctx", o->ctx, "tokens per sequence for the cache plan (default: training context)")
       ->check(CLI::PositiveNumber);
   app.add_option("--layers", o->layers, "with --preset: keep the first N layers")->check(CLI::PositiveNumber);

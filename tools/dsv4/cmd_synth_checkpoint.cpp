@@ -37,6 +37,10 @@ int run_synth_checkpoint(const SynthCheckpointCliOptions& o) {
     auto preset = find_preset(o.preset);
     if (!preset) return usage(preset.status());
     opts.config.model = preset->config;
+    if (opts.config.model.is_v41()) {  // the V4.1 release's FP8 weight blocks
+      opts.config.format.fp8_block_rows = 32;
+      opts.config.format.fp8_block_cols = 32;
+    }
   } else {
     auto config = convert::read_checkpoint_config(o.config_path);
     if (!config) return usage(config.status());
@@ -67,7 +71,7 @@ int run_synth_checkpoint(const SynthCheckpointCliOptions& o) {
 
 void register_synth_checkpoint(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<SynthCheckpointCliOptions>();
-  app.add_option("--preset", o->preset, "geometry: tiny, small, flash");
+  app.add_option("--preset", o->preset, "geometry: tiny, small, flash, tiny41, small41, flash41");
   app.add_option("--config", o->config_path, "geometry from a checkpoint folder's config.json (give the folder)");
   app.add_option("--layers", o->layers, "keep only the first N trunk layers (and the MTP block)")
       ->check(CLI::PositiveNumber);
@@ -76,7 +80,8 @@ void register_synth_checkpoint(CLI::App& app, CommandRunner& run) {
   app.add_option("--shard-gb", o->shard_gb, "data bytes per shard, in GB")->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--threads", o->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
-  app.add_flag("--tokenizer", o->tokenizer, "also write DeepSeek-V4's tokenizer.json (vocab >= 129280)");
+  app.add_flag("--tokenizer", o->tokenizer,
+               "also write DeepSeek-V4's tokenizer.json (vocab >= 129280; always written for V4.1)");
   app.add_flag("--force", o->force, "write into a folder that already holds a checkpoint");
   run = [o] { return run_synth_checkpoint(*o); };
 }
