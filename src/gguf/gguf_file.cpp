@@ -14,17 +14,9 @@ namespace dsv4::gguf {
 
 namespace {
 
-// Limits that keep a hostile header from exhausting memory. Every length is also bounded
-// by the bytes left in the file before anything is allocated; these caps matter when the
-// file itself is huge (a 150 GB model read with map_data = false).
-constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 30;  // metadata + tensor infos
-constexpr uint64_t kMaxStringBytes = uint64_t{64} << 20;
-constexpr uint64_t kMaxMetadataValues = uint64_t{1} << 22;  // array elements, all keys together
-constexpr uint64_t kMaxTensors = uint64_t{1} << 20;
-constexpr int kMaxArrayNesting = 8;
-constexpr uint32_t kMaxDims = 4;
-constexpr uint64_t kMaxAlignment = uint64_t{1} << 30;
 constexpr size_t kReadChunk = size_t{1} << 20;
+// Containers sized by a header count reserve at most this many entries up front.
+constexpr uint64_t kReserveCap = 4096;
 
 // Smallest encoding of one element of each value type (a string's 8-byte length, an
 // array's 4-byte type and 8-byte count), used to bound counts by the bytes remaining.
@@ -172,12 +164,18 @@ class HeaderParser {
     if (tensor_count_ > (cur_.remaining() - kv_count_ * 13) / 24)
       return Status::errorf("tensor_count: {} tensor infos cannot fit in the {} bytes left{}", tensor_count_,
                             cur_.remaining(), cur_.limit_note());
+    // Each pair holds one value: pairs and array elements share one budget.
+    if (kv_count_ > kMaxMetadataValues)
+      return Status::errorf("kv_count: {} exceeds the limit of {} metadata values in all", kv_count_,
+                            kMaxMetadataValues);
+    values_ = kv_count_;
     return Status::ok();
   }
 
   Status parse_metadata(ParsedPart& part) {
     std::map<std::string, uint64_t, std::less<>> seen;
-    part.metadata.reserve(static_cast<size_t>(kv_count_));
+    // Reserved up to a small cap and grown as pairs parse, so memory follows the bytes present.
+    part.metadata.reserve(static_cast<size_t>(std::min<uint64_t>(kv_count_, kReserveCap)));
     for (uint64_t i = 0; i < kv_count_; ++i) {
       std::string key;
       DSV4_TRY(cur_.read_string(key, fmt::format("metadata key #{}", i)));
@@ -253,7 +251,7 @@ class HeaderParser {
     values_ += count;
     // Grown as elements parse, so memory follows the bytes actually present.
     Value::Array items;
-    items.reserve(static_cast<size_t>(std::min<uint64_t>(count, 4096)));
+    items.reserve(static_cast<size_t>(std::min<uint64_t>(count, kReserveCap)));
     for (uint64_t i = 0; i < count; ++i) {
       Value& item = items.emplace_back();
       Status s = parse_value(et, depth + 1, what, item);
@@ -274,9 +272,8 @@ class HeaderParser {
         return Status::errorf("metadata key 'general.alignment': type {}, expected u32",
                               value_type_name(value.type()));
       const uint64_t a = value.as_u64();
-      if (a == 0 || (a & (a - 1)) != 0 || a > kMaxAlignment)
-        return Status::errorf("metadata key 'general.alignment': {} is not a power of two in [1, {}]", a,
-                              kMaxAlignment);
+      if (const std::string problem = alignment_problem(a); !problem.empty())
+        return Status::errorf("metadata key 'general.alignment': {}", problem);
       part.alignment = a;
     }
     return Status::ok();
@@ -284,7 +281,7 @@ class HeaderParser {
 
   Status parse_tensor_infos(ParsedPart& part) {
     std::map<std::string, uint64_t, std::less<>> seen;
-    part.tensors.reserve(static_cast<size_t>(tensor_count_));
+    part.tensors.reserve(static_cast<size_t>(std::min<uint64_t>(tensor_count_, kReserveCap)));
     for (uint64_t i = 0; i < tensor_count_; ++i) {
       TensorInfo t;
       DSV4_TRY(cur_.read_string(t.name, fmt::format("tensor info #{} name", i)));
@@ -403,6 +400,13 @@ Result<std::optional<uint64_t>> split_key(const std::vector<std::pair<std::strin
 
 }  // namespace
 
+std::string alignment_problem(uint64_t a) {
+  if (a == 0 || (a & (a - 1)) != 0) return fmt::format("{} is not a power of two", a);
+  if (a > kMaxAlignment)
+    return fmt::format("{} exceeds the limit of {} (a 64 KiB page; real files use 32)", a, kMaxAlignment);
+  return {};
+}
+
 uint64_t TensorInfo::n_elements() const {
   uint64_t n = 1;
   for (uint64_t d : ne) n *= d;
@@ -470,8 +474,9 @@ Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count,
                           suffix, *no, count);
   const std::string prefix = path.substr(0, path.size() - suffix.size());
 
+  // Not reserved: split.count is a header value, and the parts are only known to exist
+  // once each opens (the first missing one ends the loop with an error).
   std::vector<LoadedPart> parts;
-  parts.reserve(static_cast<size_t>(count));
   for (uint64_t i = 0; i < count; ++i) {
     if (i == *no) {
       parts.push_back(std::move(given));
