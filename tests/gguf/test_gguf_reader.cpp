@@ -5,6 +5,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include <fmt/format.h>
+
 #include "gguf/gguf_split.h"
 #include "gguf_test_files.h"
 #include "support/test_support.h"
@@ -232,6 +234,39 @@ TEST_F(GgufReaderLimitsTest, ArrayElementsBeyondTheValueBudget) {
     expect_error(f.status(), path + ": metadata key 'arr' (#0): array of 4194304 elements exceeds the limit of "
                                     "4194304 metadata values in all");
   }
+}
+
+TEST_F(GgufReaderLimitsTest, TheValueBudgetIsSharedByThePartsOfASplitSet) {
+  // Each part alone is within the limit; the set is not (the first part opens: the error
+  // names the second).
+  auto part = [&](uint16_t no, uint64_t elements) {
+    std::vector<uint8_t> b = preamble(0, 4);
+    auto key = [&](std::string_view k, ValueType t) {
+      put_u64(b, k.size());
+      b.insert(b.end(), k.begin(), k.end());
+      put_u32(b, static_cast<uint32_t>(t));
+    };
+    key(kSplitNoKey, ValueType::UINT16);
+    b.insert(b.end(), {static_cast<uint8_t>(no), 0});
+    key(kSplitCountKey, ValueType::UINT16);
+    b.insert(b.end(), {2, 0});
+    key(kSplitTensorsCountKey, ValueType::INT32);
+    put_u32(b, 0);
+    key("arr", ValueType::ARRAY);
+    put_u32(b, static_cast<uint32_t>(ValueType::UINT8));
+    put_u64(b, elements);
+    const fs::path path = dir_ / fmt::format("set-0000{}-of-00002.gguf", no + 1);
+    write_bytes(path, b);
+    fs::resize_file(path, b.size() + elements);
+    return path.string();
+  };
+  const std::string first = part(0, kMaxMetadataValues - 304);
+  const std::string second = part(1, 1000);
+  ASSERT_TRUE(GgufFile::open(second, {.load_split_parts = false}));
+  auto f = GgufFile::open(first, {.map_data = false});
+  expect_error(f.status(), second + ": metadata key 'arr' (#3): array of 1000 elements exceeds the limit of "
+                                    "4194304 metadata values in all (all parts of a split set together; 300 were "
+                                    "left for this part)");
 }
 
 TEST_F(GgufReaderLimitsTest, TheLargestAlignmentIsAccepted) {
