@@ -4,17 +4,54 @@
 // failed the fuzzer: a trap, an abort, an escaped exception or a sanitizer report.
 // Usage: fuzz_replay_<name> FOLDER...  (every file inside, in name order; a folder that
 // does not exist is skipped). No input at all is an error, so a moved corpus cannot pass.
+//
+// An input that makes the target allocate absurdly (issue 9: a 64-byte GGUF made the writer
+// pad a header to 1 GiB) fails as it did under libFuzzer's memory limit: no single
+// allocation may exceed kMaxAllocation. Inputs are at most 64 KiB and the parsers' memory
+// follows the bytes present, so only a size taken from a header can come near it.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+
+namespace {
+constexpr size_t kMaxAllocationMiB = 256;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+#define DSV4_REPLAY_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DSV4_REPLAY_ASAN 1
+#endif
+#endif
+
+#ifdef DSV4_REPLAY_ASAN
+// ASan owns operator new; its own limit reports the allocation with a stack trace.
+extern "C" const char* __asan_default_options() { return "max_allocation_size_mb=256"; }
+static_assert(kMaxAllocationMiB == 256, "keep __asan_default_options in step");
+#else
+// The replaceable global allocation function: the array, nothrow and sized forms and the
+// default deletes (free) build on it and on malloc.
+void* operator new(size_t size) {
+  if (size > kMaxAllocationMiB << 20) {
+    std::fprintf(stderr, "fuzz replay: an allocation of %zu bytes exceeds the limit of %zu MiB\n", size,
+                 kMaxAllocationMiB);
+    std::abort();
+  }
+  if (void* p = std::malloc(size ? size : 1)) return p;
+  throw std::bad_alloc();
+}
+#endif
 
 int main(int argc, char** argv) {
   namespace fs = std::filesystem;
