@@ -3,12 +3,14 @@
 // value, getter and tensor byte is touched so out-of-bounds views show up under ASan.
 // Inputs that parse are rewritten with GgufWriter and read back, which must give the same
 // metadata and tensor bytes (reader and writer agree on every file the reader accepts).
-// Seeds: fuzz/corpus/gguf/ (tests/data/make_malformed_gguf.py writes them).
+// Seeds: fuzz/corpus/gguf/ (tests/data/make_malformed_gguf.py writes them); past findings:
+// fuzz/regressions/gguf/. docs/FUZZING.md.
 #include <unistd.h>
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <span>
@@ -49,10 +51,17 @@ bool writer_owned(const std::string& key) {
          key == dsv4::gguf::kSplitTensorsCountKey;
 }
 
+// The copy's path: one per process (fuzzers may run side by side), always of the same
+// length, so no input's path through the code depends on the process id.
+std::string rewrite_path() {
+  char name[32];
+  std::snprintf(name, sizeof(name), "fuzz_gguf_%010d.gguf", static_cast<int>(getpid()));
+  return (std::filesystem::temp_directory_path() / name).string();
+}
+
 // Rewrites a parsed file and checks the copy reads back the same; traps on a mismatch.
 void check_rewrite(const GgufFile& f) {
-  static const std::string path =
-      (std::filesystem::temp_directory_path() / ("fuzz_gguf_" + std::to_string(getpid()) + ".gguf")).string();
+  static const std::string path = rewrite_path();
   {
     dsv4::gguf::GgufWriter w(path, {.alignment = f.alignment(), .overwrite = true});
     for (const auto& [key, value] : f.metadata())

@@ -14,17 +14,9 @@ namespace dsv4::gguf {
 
 namespace {
 
-// Limits that keep a hostile header from exhausting memory. Every length is also bounded
-// by the bytes left in the file before anything is allocated; these caps matter when the
-// file itself is huge (a 150 GB model read with map_data = false).
-constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 30;  // metadata + tensor infos
-constexpr uint64_t kMaxStringBytes = uint64_t{64} << 20;
-constexpr uint64_t kMaxMetadataValues = uint64_t{1} << 22;  // array elements, all keys together
-constexpr uint64_t kMaxTensors = uint64_t{1} << 20;
-constexpr int kMaxArrayNesting = 8;
-constexpr uint32_t kMaxDims = 4;
-constexpr uint64_t kMaxAlignment = uint64_t{1} << 30;
 constexpr size_t kReadChunk = size_t{1} << 20;
+// Containers sized by a header count reserve at most this many entries up front.
+constexpr uint64_t kReserveCap = 4096;
 
 // Smallest encoding of one element of each value type (a string's 8-byte length, an
 // array's 4-byte type and 8-byte count), used to bound counts by the bytes remaining.
@@ -49,14 +41,22 @@ uint64_t min_encoded_size(ValueType t) {
 
 bool valid_value_type(uint32_t t) { return t <= static_cast<uint32_t>(ValueType::FLOAT64); }
 
+// What the headers read by one open() may still use: the limits of gguf_file.h, shared by
+// all parts of a split set (whose later parts normally hold only the split keys), so a set
+// of many parts cannot multiply them.
+struct HeaderBudget {
+  uint64_t header_bytes = kMaxHeaderBytes;
+  uint64_t values = kMaxMetadataValues;
+};
+
 // Sequential reader of a header. With the file mapped it reads from the mapping; otherwise
 // it pulls bounded chunks with pread so the tensor data is never touched. Errors carry
 // the field being read and the offset; the caller adds the file name.
 class HeaderCursor {
  public:
-  HeaderCursor(const MappedFile& file, bool direct)
-      : file_(file), direct_(direct && file.data() != nullptr),
-        limit_(std::min(file.size(), kMaxHeaderBytes)) {}
+  HeaderCursor(const MappedFile& file, bool direct, uint64_t max_bytes)
+      : file_(file), direct_(direct && file.data() != nullptr), max_bytes_(max_bytes),
+        limit_(std::min(file.size(), max_bytes)) {}
 
   uint64_t offset() const { return pos_; }
   uint64_t remaining() const { return limit_ - pos_; }
@@ -106,8 +106,11 @@ class HeaderCursor {
 
   // Says why the bytes ran out: the end of the file or the header size limit.
   std::string limit_note() const {
-    return limit_ < file_.size() ? fmt::format(" (headers are limited to {} bytes)", kMaxHeaderBytes)
-                                 : std::string(" in the file");
+    if (limit_ == file_.size()) return " in the file";
+    if (max_bytes_ == kMaxHeaderBytes) return fmt::format(" (headers are limited to {} bytes)", kMaxHeaderBytes);
+    return fmt::format(" (headers are limited to {} bytes, all parts of a split set together; {} were left for "
+                       "this part)",
+                       kMaxHeaderBytes, max_bytes_);
   }
 
  private:
@@ -118,6 +121,7 @@ class HeaderCursor {
 
   const MappedFile& file_;
   const bool direct_;
+  const uint64_t max_bytes_;
   const uint64_t limit_;
   uint64_t pos_ = 0;
   std::vector<uint8_t> buf_;
@@ -134,8 +138,11 @@ struct ParsedPart {
 
 class HeaderParser {
  public:
-  HeaderParser(const MappedFile& file, bool map_data) : file_(file), cur_(file, map_data), map_data_(map_data) {}
+  HeaderParser(const MappedFile& file, bool map_data, HeaderBudget& budget)
+      : file_(file), cur_(file, map_data, budget.header_bytes), map_data_(map_data), budget_(budget),
+        values_at_start_(budget.values) {}
 
+  // Uses up the budget by what this header holds.
   Result<ParsedPart> parse() {
     ParsedPart part;
     DSV4_TRY(parse_preamble(part));
@@ -143,6 +150,7 @@ class HeaderParser {
     DSV4_TRY(parse_alignment(part));
     DSV4_TRY(parse_tensor_infos(part));
     DSV4_TRY(place_tensors(part));
+    budget_.header_bytes -= cur_.offset();
     return part;
   }
 
@@ -172,12 +180,18 @@ class HeaderParser {
     if (tensor_count_ > (cur_.remaining() - kv_count_ * 13) / 24)
       return Status::errorf("tensor_count: {} tensor infos cannot fit in the {} bytes left{}", tensor_count_,
                             cur_.remaining(), cur_.limit_note());
+    // Each pair holds one value: pairs and array elements share one budget.
+    if (kv_count_ > budget_.values)
+      return Status::errorf("kv_count: {} exceeds the limit of {} metadata values in all{}", kv_count_,
+                            kMaxMetadataValues, values_note());
+    budget_.values -= kv_count_;
     return Status::ok();
   }
 
   Status parse_metadata(ParsedPart& part) {
     std::map<std::string, uint64_t, std::less<>> seen;
-    part.metadata.reserve(static_cast<size_t>(kv_count_));
+    // Reserved up to a small cap and grown as pairs parse, so memory follows the bytes present.
+    part.metadata.reserve(static_cast<size_t>(std::min<uint64_t>(kv_count_, kReserveCap)));
     for (uint64_t i = 0; i < kv_count_; ++i) {
       std::string key;
       DSV4_TRY(cur_.read_string(key, fmt::format("metadata key #{}", i)));
@@ -247,13 +261,13 @@ class HeaderParser {
     if (count > cur_.remaining() / min_encoded_size(et))
       return Status::errorf("{}: array of {} {} elements at offset {} cannot fit in the {} bytes left{}", what,
                             count, value_type_name(et), cur_.offset() - 8, cur_.remaining(), cur_.limit_note());
-    if (count > kMaxMetadataValues - values_)
-      return Status::errorf("{}: array of {} elements exceeds the limit of {} metadata values in all", what, count,
-                            kMaxMetadataValues);
-    values_ += count;
+    if (count > budget_.values)
+      return Status::errorf("{}: array of {} elements exceeds the limit of {} metadata values in all{}", what, count,
+                            kMaxMetadataValues, values_note());
+    budget_.values -= count;
     // Grown as elements parse, so memory follows the bytes actually present.
     Value::Array items;
-    items.reserve(static_cast<size_t>(std::min<uint64_t>(count, 4096)));
+    items.reserve(static_cast<size_t>(std::min<uint64_t>(count, kReserveCap)));
     for (uint64_t i = 0; i < count; ++i) {
       Value& item = items.emplace_back();
       Status s = parse_value(et, depth + 1, what, item);
@@ -274,9 +288,8 @@ class HeaderParser {
         return Status::errorf("metadata key 'general.alignment': type {}, expected u32",
                               value_type_name(value.type()));
       const uint64_t a = value.as_u64();
-      if (a == 0 || (a & (a - 1)) != 0 || a > kMaxAlignment)
-        return Status::errorf("metadata key 'general.alignment': {} is not a power of two in [1, {}]", a,
-                              kMaxAlignment);
+      if (const std::string problem = alignment_problem(a); !problem.empty())
+        return Status::errorf("metadata key 'general.alignment': {}", problem);
       part.alignment = a;
     }
     return Status::ok();
@@ -284,7 +297,7 @@ class HeaderParser {
 
   Status parse_tensor_infos(ParsedPart& part) {
     std::map<std::string, uint64_t, std::less<>> seen;
-    part.tensors.reserve(static_cast<size_t>(tensor_count_));
+    part.tensors.reserve(static_cast<size_t>(std::min<uint64_t>(tensor_count_, kReserveCap)));
     for (uint64_t i = 0; i < tensor_count_; ++i) {
       TensorInfo t;
       DSV4_TRY(cur_.read_string(t.name, fmt::format("tensor info #{} name", i)));
@@ -363,12 +376,18 @@ class HeaderParser {
     return Status::ok();
   }
 
+  std::string values_note() const {
+    if (values_at_start_ == kMaxMetadataValues) return {};
+    return fmt::format(" (all parts of a split set together; {} were left for this part)", values_at_start_);
+  }
+
   const MappedFile& file_;
   HeaderCursor cur_;
   const bool map_data_;
+  HeaderBudget& budget_;
+  const uint64_t values_at_start_;
   uint64_t tensor_count_ = 0;
   uint64_t kv_count_ = 0;
-  uint64_t values_ = 0;
 };
 
 bool is_signed_type(ValueType t) {
@@ -403,6 +422,13 @@ Result<std::optional<uint64_t>> split_key(const std::vector<std::pair<std::strin
 
 
 }  // namespace
+
+std::string alignment_problem(uint64_t a) {
+  if (a == 0 || (a & (a - 1)) != 0) return fmt::format("{} is not a power of two", a);
+  if (a > kMaxAlignment)
+    return fmt::format("{} exceeds the limit of {} (a 64 KiB page; real files use 32)", a, kMaxAlignment);
+  return {};
+}
 
 uint64_t TensorInfo::n_elements() const {
   uint64_t n = 1;
@@ -443,8 +469,8 @@ struct GgufFile::Impl {
 
 namespace {
 
-Result<ParsedPart> parse_part(const MappedFile& file, bool map_data) {
-  auto parsed = HeaderParser(file, map_data).parse();
+Result<ParsedPart> parse_part(const MappedFile& file, bool map_data, HeaderBudget& budget) {
+  auto parsed = HeaderParser(file, map_data, budget).parse();
   if (!parsed) return parsed.status().with_context(file.path());
   return parsed;
 }
@@ -456,7 +482,8 @@ struct LoadedPart {
 
 // Finds and checks every part of the split set `first` belongs to (llama.cpp gguf-split:
 // "<prefix>-%05d-of-%05d.gguf", split.no counting from 0, metadata in part 0 only).
-Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count, const OpenOptions& opts) {
+Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count, const OpenOptions& opts,
+                                              HeaderBudget& budget) {
   const std::string path = given.file.path();  // a copy: `given` moves into the set below
   DSV4_ASSIGN_OR_RETURN(auto no, split_key(given.parsed.metadata, kSplitNoKey, path));
   if (!no) return Status::errorf("{}: metadata key '{}' is missing (split.count is {})", path, kSplitNoKey, count);
@@ -471,8 +498,9 @@ Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count,
                           suffix, *no, count);
   const std::string prefix = path.substr(0, path.size() - suffix.size());
 
+  // Not reserved: split.count is a header value, and the parts are only known to exist
+  // once each opens (the first missing one ends the loop with an error).
   std::vector<LoadedPart> parts;
-  parts.reserve(static_cast<size_t>(count));
   for (uint64_t i = 0; i < count; ++i) {
     if (i == *no) {
       parts.push_back(std::move(given));
@@ -483,7 +511,7 @@ Result<std::vector<LoadedPart>> load_split_set(LoadedPart given, uint64_t count,
     if (!file)
       return Status::errorf("{}: split part {} of {} is missing or unreadable: {}", path, i + 1, count,
                             file.status().message());
-    DSV4_ASSIGN_OR_RETURN(auto parsed, parse_part(*file, opts.map_data));
+    DSV4_ASSIGN_OR_RETURN(auto parsed, parse_part(*file, opts.map_data, budget));
     parts.push_back(LoadedPart{std::move(file).value(), std::move(parsed)});
   }
 
@@ -535,12 +563,13 @@ Result<GgufFile> GgufFile::open_bytes(std::string name, std::span<const uint8_t>
 }
 
 Result<GgufFile> GgufFile::open_parts(MappedFile file, OpenOptions opts) {
-  DSV4_ASSIGN_OR_RETURN(auto parsed, parse_part(file, opts.map_data));
+  HeaderBudget budget;
+  DSV4_ASSIGN_OR_RETURN(auto parsed, parse_part(file, opts.map_data, budget));
   DSV4_ASSIGN_OR_RETURN(auto count, split_key(parsed.metadata, kSplitCountKey, file.path()));
   std::vector<LoadedPart> parts;
   const std::string path = file.path();
   if (opts.load_split_parts && count && *count > 1) {
-    DSV4_ASSIGN_OR_RETURN(parts, load_split_set(LoadedPart{std::move(file), std::move(parsed)}, *count, opts));
+    DSV4_ASSIGN_OR_RETURN(parts, load_split_set(LoadedPart{std::move(file), std::move(parsed)}, *count, opts, budget));
   } else {
     parts.push_back(LoadedPart{std::move(file), std::move(parsed)});
   }

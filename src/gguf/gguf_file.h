@@ -29,6 +29,27 @@ inline constexpr uint32_t kMagic = 0x46554747;  // "GGUF" little-endian
 inline constexpr uint32_t kVersion = 3;
 inline constexpr uint64_t kDefaultAlignment = 32;
 
+// What the reader accepts, and the writer refuses to exceed (docs/GGUF.md, "Limits"). Every
+// count and length in a header is also bounded by the bytes left in the file before
+// anything is allocated; these caps bound memory when the file itself is huge (a 150 GB
+// model read with map_data = false) and are far above what real models use.
+//
+// general.alignment: llama.cpp accepts any power of two that fits its u32, but real files
+// use 32 (llama.cpp's and gguf-py's default), sometimes 64; the largest with a purpose is
+// a memory page (4 KiB, 64 KiB on arm64 and ppc64 kernels). Padding, which the writer
+// allocates and writes for the header and after every tensor, stays below the alignment,
+// so 64 KiB keeps any file's padding small whatever its header says.
+inline constexpr uint64_t kMaxAlignment = uint64_t{64} << 10;
+inline constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 30;    // metadata + tensor infos
+inline constexpr uint64_t kMaxStringBytes = uint64_t{64} << 20;   // one key, value or name
+inline constexpr uint64_t kMaxMetadataValues = uint64_t{1} << 22;  // key-value pairs + array elements, all keys
+inline constexpr uint64_t kMaxTensors = uint64_t{1} << 20;
+inline constexpr int kMaxArrayNesting = 8;
+inline constexpr uint32_t kMaxDims = 4;
+
+// Empty when `a` is a valid general.alignment, else why not ("48 is not a power of two").
+std::string alignment_problem(uint64_t a);
+
 struct TensorInfo {
   std::string name;
   GgmlType type = GgmlType::F32;

@@ -14,7 +14,6 @@ namespace dsv4::gguf {
 
 namespace {
 
-constexpr uint32_t kMaxDims = 4;
 constexpr size_t kWriteBufferBytes = size_t{4} << 20;
 
 struct DeclaredTensor {
@@ -81,16 +80,27 @@ class ByteSink {
 };
 
 // Arrays must hold exactly their declared element type, recursively: the file format
-// stores the type once per array.
-Status check_value(const std::string& key, const Value& v, int depth) {
+// stores the type once per array. Strings, nesting and the number of values stay within
+// the reader's limits (gguf_file.h), so every file written can be read back; `values`
+// counts key-value pairs and array elements of all keys, as the reader does.
+Status check_value(const std::string& key, const Value& v, int depth, uint64_t& values) {
+  if (v.is_string() && v.as_string().size() > kMaxStringBytes)
+    return Status::errorf("metadata key '{}': string of {} bytes exceeds the limit of {} bytes", key,
+                          v.as_string().size(), kMaxStringBytes);
   if (!v.is_array()) return Status::ok();
-  if (depth >= 8) return Status::errorf("metadata key '{}': arrays nested more than 8 deep", key);
+  if (depth >= kMaxArrayNesting)
+    return Status::errorf("metadata key '{}': arrays nested more than {} deep", key, kMaxArrayNesting);
+  values += v.as_array().size();
+  if (values > kMaxMetadataValues)
+    return Status::errorf("metadata key '{}': array of {} elements takes the metadata past the limit of {} values "
+                          "in all",
+                          key, v.as_array().size(), kMaxMetadataValues);
   for (size_t i = 0; i < v.as_array().size(); ++i) {
     const Value& item = v.as_array()[i];
     if (item.type() != v.elem_type())
       return Status::errorf("metadata key '{}': element [{}] has type {} in an array of {}", key, i,
                             value_type_name(item.type()), value_type_name(v.elem_type()));
-    DSV4_TRY(check_value(key, item, depth + 1));
+    DSV4_TRY(check_value(key, item, depth + 1, values));
   }
   return Status::ok();
 }
@@ -153,7 +163,7 @@ struct GgufWriter::Impl {
     return Status::ok();
   }
 
-  std::string header_bytes(size_t p) const {
+  Result<std::string> header_bytes(size_t p) const {
     const bool split = parts.size() > 1;
     ByteSink sink;
     std::vector<std::pair<std::string_view, Value>> kvs;
@@ -180,6 +190,10 @@ struct GgufWriter::Impl {
       sink.pod(static_cast<uint32_t>(t.type));
       sink.pod(t.offset);
     }
+    if (sink.bytes().size() > kMaxHeaderBytes)
+      return Status::errorf("{}: header of {} bytes exceeds the limit of {} bytes", parts[p].final_path,
+                            sink.bytes().size(), kMaxHeaderBytes);
+    // Below the alignment, which begin() bounded by kMaxAlignment.
     sink.zeros(padding(sink.bytes().size(), opts.alignment));
     return sink.bytes();
   }
@@ -192,7 +206,7 @@ struct GgufWriter::Impl {
     temps_created.push_back(temp);
     if (!out_buffer) out_buffer = std::make_unique_for_overwrite<char[]>(kWriteBufferBytes);
     std::setvbuf(out, out_buffer.get(), _IOFBF, kWriteBufferBytes);
-    const std::string header = header_bytes(p);
+    DSV4_ASSIGN_OR_RETURN(const std::string header, header_bytes(p));
     return write_raw(header.data(), header.size());
   }
 
@@ -260,11 +274,18 @@ struct GgufWriter::Impl {
   }
 
   Status check_metadata() {
+    if (metadata.size() > kMaxMetadataValues)
+      return Status::errorf("{}: {} metadata keys exceed the limit of {} values in all", path, metadata.size(),
+                            kMaxMetadataValues);
+    uint64_t values = metadata.size();
     for (const auto& [key, value] : metadata) {
       if (key.empty()) return Status::errorf("{}: metadata key is empty", path);
+      if (key.size() > kMaxStringBytes)
+        return Status::errorf("{}: metadata key of {} bytes exceeds the limit of {} bytes", path, key.size(),
+                              kMaxStringBytes);
       if (key == kSplitNoKey || key == kSplitCountKey || key == kSplitTensorsCountKey)
         return Status::errorf("{}: metadata key '{}' is written by the writer itself (use split_max_*)", path, key);
-      DSV4_TRY(check_value(key, value, 0).with_context(path));
+      DSV4_TRY(check_value(key, value, 0, values).with_context(path));
     }
     return Status::ok();
   }
@@ -295,7 +316,12 @@ Status GgufWriter::add_tensor(std::string name, GgmlType type, std::vector<uint6
     return Status::errorf("{}: tensor '{}': add_tensor after begin()", w.path, name);
   const std::string what = fmt::format("{}: tensor '{}'", w.path, name);
   if (name.empty()) return Status::errorf("{}: tensor name is empty", w.path);
+  if (name.size() > kMaxStringBytes)
+    return Status::errorf("{}: tensor name of {} bytes exceeds the limit of {} bytes", w.path, name.size(),
+                          kMaxStringBytes);
   if (w.tensor_index.count(name)) return Status::errorf("{}: declared twice", what);
+  if (w.tensors.size() >= kMaxTensors)
+    return Status::errorf("{}: more than {} tensors (the limit)", what, kMaxTensors);
   if (!ggml_type_traits(static_cast<uint32_t>(type)))
     return Status::errorf("{}: unknown type id {}", what, static_cast<uint32_t>(type));
   if (ne.size() > kMaxDims) return Status::errorf("{}: {} dimensions, at most {} allowed", what, ne.size(), kMaxDims);
@@ -324,8 +350,8 @@ Status GgufWriter::begin() {
   if (w.state == Impl::State::kFailed) return w.failure;
   if (w.state != Impl::State::kDeclaring) return Status::errorf("{}: begin() called twice", w.path);
   const uint64_t a = w.opts.alignment;
-  if (a == 0 || (a & (a - 1)) != 0 || a > std::numeric_limits<uint32_t>::max())
-    return w.fail(Status::errorf("{}: alignment {} is not a power of two that fits a u32", w.path, a));
+  if (const std::string problem = alignment_problem(a); !problem.empty())
+    return w.fail(Status::errorf("{}: metadata key 'general.alignment' (the writer's alignment): {}", w.path, problem));
   // general.alignment is the writer's to state: it must match the layout actually written.
   std::erase_if(w.metadata, [](const auto& kv) { return kv.first == "general.alignment"; });
   if (a != kDefaultAlignment) w.metadata.emplace_back("general.alignment", Value::u32(static_cast<uint32_t>(a)));

@@ -7,6 +7,7 @@ opens each and checks that the error names the field. The bytes are built by han
 struct so every field can be made wrong on purpose. Deterministic: rerunning rewrites the
 same bytes. Usage: python3 tests/data/make_malformed_gguf.py
 """
+import base64
 import pathlib
 import shutil
 import struct
@@ -14,6 +15,11 @@ import struct
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MALFORMED_DIR = ROOT / "tests" / "data" / "gguf-malformed"
 SEED_DIR = ROOT / "fuzz" / "corpus" / "gguf"
+
+# Issue 9's reproducer, as fuzz_gguf found it: general.alignment = 2^30 in a 64-byte file
+# with no tensors. The reader accepted it and `dsv4 gguf copy` padded the copy's header to
+# 1 GiB (std::bad_alloc under a 2 GiB limit). "alignment_huge.gguf" must be these bytes.
+ISSUE_9_REPRODUCER = "R0dVRgMAAAAAAAAAAAAAAAEAAAAAAAAAEQAAAAAAAABnZW5lcmFsLmFsaWdubWVudAQAAAAAAABAAAAAAAAAAA=="
 
 # GGUF value type ids
 U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
@@ -89,6 +95,8 @@ def valid_files():
         "valid_align64.gguf": gguf([kv_u32("general.alignment", 64)],
                                    [tinfo("a", [8], GGML_F32, 0), tinfo("q", [32], GGML_Q8_0, 64)],
                                    a + b"\0" * 32 + q8 + b"\0" * 30, alignment=64),
+        # The largest alignment the reader accepts; no tensors, so no padding is needed.
+        "valid_align_max.gguf": gguf([kv_u32("general.alignment", 1 << 16)], pad=False),
         "valid_i32.gguf": gguf([], [tinfo("ids", [3, 2], GGML_I32, 0)], struct.pack("<6i", 1, 2, 3, 4, 5, 6) +
                                b"\0" * 8),
     }
@@ -105,6 +113,7 @@ def malformed_files():
         "truncated_counts.gguf": b"GGUF" + struct.pack("<IQ", 3, 0)[:10],
         "kv_count_huge.gguf": gguf(n_kv=1 << 60),
         "tensor_count_huge.gguf": gguf(n_tensors=1 << 40),
+        "tensor_count_cannot_fit.gguf": gguf(n_tensors=1000),
         "key_length_past_end.gguf": gguf([struct.pack("<Q", 1000) + b"key" + b"\0" * 16], pad=False),
         "duplicate_key.gguf": gguf([kv_u32("a", 1), kv_u32("a", 2)]),
         "empty_key.gguf": gguf([kv_u32("a", 1), kv_u32("", 2)]),
@@ -123,11 +132,24 @@ def malformed_files():
         "alignment_not_power_of_two.gguf": gguf([kv_u32("general.alignment", 48)]),
         "alignment_zero.gguf": gguf([kv_u32("general.alignment", 0)]),
         "alignment_wrong_type.gguf": gguf([kv("general.alignment", U64, struct.pack("<Q", 64))]),
+        # Powers of two above the 64 KiB limit: with no tensors nothing else bounds them.
+        "alignment_huge.gguf": gguf([kv_u32("general.alignment", 1 << 30)]),
+        "alignment_largest_u32.gguf": gguf([kv_u32("general.alignment", 1 << 31)]),
+        "alignment_above_limit.gguf": gguf([kv_u32("general.alignment", 1 << 17)], one_tensor, data32,
+                                           alignment=1 << 17, pad=False),
+        # Lengths inside nested arrays are bounded like top-level ones.
+        "array_nested_length_huge.gguf": gguf([kv("nest", ARRAY, struct.pack("<IQ", ARRAY, 1) +
+                                                  struct.pack("<IQ", U8, 1 << 60))]),
+        "array_string_count_huge.gguf": gguf([kv("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", STRING, 1 << 40))]),
+        "array_nested_string_length_huge.gguf": gguf([kv("nest", ARRAY, struct.pack("<IQ", ARRAY, 1) +
+                                                         struct.pack("<IQ", STRING, 1) + struct.pack("<Q", 1 << 63))],
+                                                     pad=False),
         "tensor_name_length_huge.gguf": gguf([], [struct.pack("<Q", 1 << 50) + b"w" + b"\0" * 32], pad=False),
         "tensor_empty_name.gguf": gguf([], [tinfo("", [8], GGML_F32, 0)], data32),
         "tensor_too_many_dims.gguf": gguf([], [tinfo("w", [1, 1, 1, 1, 1], GGML_F32, 0)], data32),
         "tensor_zero_dim.gguf": gguf([], [tinfo("w", [8, 0], GGML_F32, 0)], data32),
         "tensor_dims_overflow.gguf": gguf([], [tinfo("w", [1 << 32, 1 << 32], GGML_F32, 0)], data32),
+        "tensor_bytes_overflow.gguf": gguf([], [tinfo("w", [1 << 31, 1 << 31], GGML_F32, 0)], data32),
         "tensor_unknown_type.gguf": gguf([], [tinfo("w", [8], 99, 0)], data32),
         "tensor_row_not_whole_blocks.gguf": gguf([], [tinfo("w", [33], GGML_Q8_0, 0)], data32 + data32),
         "tensor_misaligned_offset.gguf": gguf([], [tinfo("w", [4], GGML_F32, 4)], data32),
@@ -140,6 +162,7 @@ def malformed_files():
                                            data32 + data32),
         "truncated_tensor_info.gguf": gguf([], one_tensor, data32)[:24 + 8 + 1 + 4 + 8 + 4 + 6],
         "split_count_wrong_type.gguf": gguf([kv_str("split.count", "two")]),
+        "split_count_huge.gguf": gguf([kv("split.no", U16, struct.pack("<H", 0)), kv_u32("split.count", 100000)]),
         "split_no_missing.gguf": gguf([kv("split.count", U16, struct.pack("<H", 2))]),
         "split_no_out_of_range-00001-of-00002.gguf": gguf([kv("split.no", U16, struct.pack("<H", 5)),
                                                            kv("split.count", U16, struct.pack("<H", 2))]),
@@ -173,6 +196,7 @@ def write_dir(directory, files):
 
 def main():
     malformed = malformed_files()
+    assert malformed["alignment_huge.gguf"] == base64.b64decode(ISSUE_9_REPRODUCER)
     write_dir(MALFORMED_DIR, malformed)
     seeds = dict(valid_files())
     seeds.update({"malformed_" + k: v for k, v in malformed.items()})

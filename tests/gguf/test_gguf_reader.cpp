@@ -5,6 +5,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include <fmt/format.h>
+
 #include "gguf/gguf_split.h"
 #include "gguf_test_files.h"
 #include "support/test_support.h"
@@ -180,6 +182,98 @@ TEST_F(GgufSplitReaderTest, ARenamedPartIsRejected) {
   auto lone = GgufFile::open(dir_ / "renamed.gguf", {.load_split_parts = false});
   ASSERT_TRUE(lone) << lone.status().message();
   EXPECT_EQ(lone->tensors().size(), 2u);
+}
+
+// The caps of gguf_file.h that the bytes left cannot enforce: sparse files big enough for
+// the counts to fit, so only the limit stops them (before anything is allocated).
+class GgufReaderLimitsTest : public ::testing::Test {
+ protected:
+  // A header followed by zeros up to `size` bytes (sparse: nothing is written there).
+  std::string sparse_file(const std::vector<uint8_t>& header, uint64_t size) {
+    const fs::path path = dir_ / "sparse.gguf";
+    write_bytes(path, header);
+    fs::resize_file(path, size);
+    return path.string();
+  }
+  static void put_u32(std::vector<uint8_t>& b, uint32_t x) {
+    for (int i = 0; i < 4; ++i) b.push_back(static_cast<uint8_t>(x >> (8 * i)));
+  }
+  static void put_u64(std::vector<uint8_t>& b, uint64_t x) {
+    for (int i = 0; i < 8; ++i) b.push_back(static_cast<uint8_t>(x >> (8 * i)));
+  }
+  static std::vector<uint8_t> preamble(uint64_t n_tensors, uint64_t n_kv) {
+    std::vector<uint8_t> b = {'G', 'G', 'U', 'F'};
+    put_u32(b, 3);
+    put_u64(b, n_tensors);
+    put_u64(b, n_kv);
+    return b;
+  }
+  dsv4::test::TempDir dir_;
+};
+
+TEST_F(GgufReaderLimitsTest, KeyValueCountBeyondTheValueBudget) {
+  const uint64_t n_kv = kMaxMetadataValues + 1;
+  const std::string path = sparse_file(preamble(0, n_kv), 24 + n_kv * 13);
+  for (bool map_data : {true, false}) {
+    auto f = GgufFile::open(path, {.map_data = map_data});
+    expect_error(f.status(), path + ": kv_count: 4194305 exceeds the limit of 4194304 metadata values in all");
+  }
+}
+
+TEST_F(GgufReaderLimitsTest, ArrayElementsBeyondTheValueBudget) {
+  // One pair whose u8 array has one element more than the budget leaves (4 Mi - 1).
+  std::vector<uint8_t> b = preamble(0, 1);
+  put_u64(b, 3);
+  b.insert(b.end(), {'a', 'r', 'r'});
+  put_u32(b, static_cast<uint32_t>(ValueType::ARRAY));
+  put_u32(b, static_cast<uint32_t>(ValueType::UINT8));
+  put_u64(b, kMaxMetadataValues);
+  const std::string path = sparse_file(b, b.size() + kMaxMetadataValues);
+  for (bool map_data : {true, false}) {
+    auto f = GgufFile::open(path, {.map_data = map_data});
+    expect_error(f.status(), path + ": metadata key 'arr' (#0): array of 4194304 elements exceeds the limit of "
+                                    "4194304 metadata values in all");
+  }
+}
+
+TEST_F(GgufReaderLimitsTest, TheValueBudgetIsSharedByThePartsOfASplitSet) {
+  // Each part alone is within the limit; the set is not (the first part opens: the error
+  // names the second).
+  auto part = [&](uint16_t no, uint64_t elements) {
+    std::vector<uint8_t> b = preamble(0, 4);
+    auto key = [&](std::string_view k, ValueType t) {
+      put_u64(b, k.size());
+      b.insert(b.end(), k.begin(), k.end());
+      put_u32(b, static_cast<uint32_t>(t));
+    };
+    key(kSplitNoKey, ValueType::UINT16);
+    b.insert(b.end(), {static_cast<uint8_t>(no), 0});
+    key(kSplitCountKey, ValueType::UINT16);
+    b.insert(b.end(), {2, 0});
+    key(kSplitTensorsCountKey, ValueType::INT32);
+    put_u32(b, 0);
+    key("arr", ValueType::ARRAY);
+    put_u32(b, static_cast<uint32_t>(ValueType::UINT8));
+    put_u64(b, elements);
+    const fs::path path = dir_ / fmt::format("set-0000{}-of-00002.gguf", no + 1);
+    write_bytes(path, b);
+    fs::resize_file(path, b.size() + elements);
+    return path.string();
+  };
+  const std::string first = part(0, kMaxMetadataValues - 304);
+  const std::string second = part(1, 1000);
+  ASSERT_TRUE(GgufFile::open(second, {.load_split_parts = false}));
+  auto f = GgufFile::open(first, {.map_data = false});
+  expect_error(f.status(), second + ": metadata key 'arr' (#3): array of 1000 elements exceeds the limit of "
+                                    "4194304 metadata values in all (all parts of a split set together; 300 were "
+                                    "left for this part)");
+}
+
+TEST_F(GgufReaderLimitsTest, TheLargestAlignmentIsAccepted) {
+  const fs::path path = dsv4::test::source_dir() / "fuzz" / "corpus" / "gguf" / "valid_align_max.gguf";
+  auto f = GgufFile::open(path.string());
+  ASSERT_TRUE(f) << f.status().message();
+  EXPECT_EQ(f->alignment(), kMaxAlignment);
 }
 
 }  // namespace

@@ -140,11 +140,71 @@ TEST_F(GgufWriterTest, RoundTripsAScalarTensorWithNoDimensions) {
   expect_tensors_equal(*f, scalar);
 }
 
-TEST_F(GgufWriterTest, RejectsAlignmentThatIsNotAPowerOfTwo) {
-  GgufWriter w(dir_ / "bad.gguf", {.alignment = 48});
-  Status s = w.begin();
-  ASSERT_FALSE(s);
-  EXPECT_NE(s.message().find("alignment 48"), std::string::npos) << s.message();
+TEST_F(GgufWriterTest, RejectsAlignmentThatIsNotAPowerOfTwoOrAboveTheLimit) {
+  // 2^30 is the alignment of issue 9's reproducer: the header would have been padded to 1 GiB.
+  const std::pair<uint64_t, const char*> cases[] = {
+      {0, "0 is not a power of two"},
+      {48, "48 is not a power of two"},
+      {kMaxAlignment * 2, "131072 exceeds the limit of 65536"},
+      {uint64_t{1} << 30, "1073741824 exceeds the limit of 65536"},
+      {uint64_t{1} << 63, "9223372036854775808 exceeds the limit of 65536"},
+  };
+  for (const auto& [alignment, expected] : cases) {
+    const fs::path path = dir_ / "bad.gguf";
+    GgufWriter w(path, {.alignment = alignment});
+    ASSERT_TRUE(w.add_tensor("w", GgmlType::F32, {8}));
+    Status s = w.begin();
+    ASSERT_FALSE(s) << alignment;
+    EXPECT_NE(s.message().find(path.string() + ": metadata key 'general.alignment'"), std::string::npos)
+        << s.message();
+    EXPECT_NE(s.message().find(expected), std::string::npos) << s.message();
+    EXPECT_FALSE(fs::exists(path.string() + ".tmp"));
+    EXPECT_FALSE(fs::exists(path));
+  }
+}
+
+TEST_F(GgufWriterTest, WritesAndReadsBackTheLargestAlignment) {
+  const std::string path = dir_ / "page.gguf";
+  ASSERT_TRUE(write_file(path, every_type_metadata(), tensors_, {.alignment = kMaxAlignment}).is_ok());
+  auto f = GgufFile::open(path);
+  ASSERT_TRUE(f) << f.status().message();
+  EXPECT_EQ(f->alignment(), kMaxAlignment);
+  expect_tensors_equal(*f, tensors_);
+  // Header and every tensor padded to 64 KiB: the padding never exceeds one alignment each.
+  EXPECT_EQ(fs::file_size(path), kMaxAlignment * (1 + tensors_.size()));
+}
+
+TEST_F(GgufWriterTest, RefusesWhatTheReaderWouldReject) {
+  {
+    GgufWriter w(dir_ / "deep.gguf");
+    Value v = Value::array_u32({1});
+    for (int depth = 1; depth <= kMaxArrayNesting; ++depth) v = Value::array(ValueType::ARRAY, {v});
+    w.set("deep", v);  // kMaxArrayNesting + 1 levels
+    Status s = w.begin();
+    ASSERT_FALSE(s);
+    EXPECT_NE(s.message().find("metadata key 'deep': arrays nested more than 8 deep"), std::string::npos)
+        << s.message();
+  }
+  {
+    GgufWriter w(dir_ / "many.gguf");
+    // One pair plus 4 Mi elements: one value too many.
+    w.set("a", Value::array(ValueType::UINT8, Value::Array(kMaxMetadataValues)));
+    Status s = w.begin();
+    ASSERT_FALSE(s);
+    EXPECT_NE(s.message().find("metadata key 'a': array of 4194304 elements takes the metadata past the limit of "
+                               "4194304 values"),
+              std::string::npos)
+        << s.message();
+  }
+  {
+    GgufWriter w(dir_ / "long.gguf");
+    w.set("s", Value::string(std::string(kMaxStringBytes + 1, 'x')));
+    Status s = w.begin();
+    ASSERT_FALSE(s);
+    EXPECT_NE(s.message().find("metadata key 's': string of 67108865 bytes exceeds the limit of 67108864 bytes"),
+              std::string::npos)
+        << s.message();
+  }
 }
 
 TEST_F(GgufWriterTest, OutputIsDeterministic) {
