@@ -33,4 +33,8 @@ ModelConfig flash_config();
 // compare per-layer cost on the full geometry. Hash layers beyond the cut are dropped.
 Result<ModelConfig> keep_first_layers(const ModelConfig& config, uint32_t n_layers);
 
+// The trunk alone: no MTP block (a trunk-only file, as llama.cpp loads one without its
+// sidecar).
+ModelConfig without_mtp(const ModelConfig& config);
+
 }  // namespace dsv4
