@@ -28,7 +28,7 @@
 #   kernels    the kernel benchmarks (cuda_bench_*; DSV4_GPU_BENCHES names a subset)
 # Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_SHM (where the
 # model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu).
-# Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 540):
+# Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. Results
 # that matter most come first; the kernel benchmarks take what remains. What comes back
 # ($OUT holds at most 8 files): table.txt, steps.txt, the dsv4 and llama-bench JSON files
@@ -105,7 +105,7 @@ out="${OUT:-$PWD/gpu-out}"
 work="${DSV4_GPU_WORK:-/tmp/dsv4-gpu}"
 shm="${DSV4_GPU_SHM:-/dev/shm}"
 steps=" ${DSV4_GPU_STEPS:-tests sanitizer llama flash kernels} "
-budget="${DSV4_GPU_BUDGET:-540}"
+budget="${DSV4_GPU_BUDGET:-550}"
 cut_layers="${DSV4_GPU_CUT_LAYERS:-4}"
 mkdir -p "$out" "$work"
 rm -f "$work"/*.log "$work"/*.json "$work"/*.txt
@@ -114,7 +114,7 @@ has() { case "$steps" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 left() { echo $((budget - (SECONDS - start))); }
 # Seconds kept for the whole-geometry step while the steps before it run.
 reserve=0
-has flash && reserve="${DSV4_GPU_FLASH_RESERVE:-250}"
+has flash && reserve="${DSV4_GPU_FLASH_RESERVE:-200}"
 # The time a step may take: its cap, or what is left of the budget (less the reserve and a
 # margin for the table), whichever is smaller.
 cap() { local l; l=$(($(left) - 15 - reserve)); echo $(($1 < l ? $1 : l)); }
@@ -219,15 +219,15 @@ fi
 
 # ---- checks (no timing: they share the machine with the build) ---------------------------
 if has tests; then
-  step test_cuda 150 "$bin/test_cuda" --gtest_color=no
+  step test_cuda 120 "$bin/test_cuda" --gtest_color=no
   grep -aE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$work/test_cuda.log" | head -40
 fi
 if has sanitizer && command -v compute-sanitizer >/dev/null; then
   memcheck="${DSV4_GPU_MEMCHECK:-Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q2_K:Types/PrefillTest.*q2_K:CudaBackendOps.*:CudaAttentionOps.*:CudaBackendAttention.*}"
   racecheck="${DSV4_GPU_RACECHECK:-Types/MatvecTest.OddShapes*q2_K*:CudaAttentionOps.TopKIdenticalWithPlantedTies:CudaBackendAttention.AttentionMatchesCpu}"
-  step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no --gtest_filter="$memcheck"
+  step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no --gtest_filter="$memcheck"
   grep -aE "ERROR SUMMARY|^\[  (PASSED|FAILED) " "$work/memcheck.log" | head -5
-  step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no --gtest_filter="$racecheck"
+  step racecheck 45 compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no --gtest_filter="$racecheck"
   grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$work/racecheck.log" | head -5
 fi
 
@@ -261,8 +261,8 @@ if has llama; then
   grep -a "wrote" "$work/synth_cut.log"
   if [ -n "$llama_pid" ]; then
     echo "== waiting for the llama.cpp build (at $((SECONDS - start)) s)"
-    # The peer's two runs need about two minutes after the build.
-    while kill -0 "$llama_pid" 2>/dev/null && [ "$(cap 1000)" -gt 120 ]; do sleep 2; done
+    # The peer's two runs need about 100 s after the build.
+    while kill -0 "$llama_pid" 2>/dev/null && [ "$(cap 1000)" -gt 100 ]; do sleep 2; done
     if kill -0 "$llama_pid" 2>/dev/null; then
       stop_llama_build
       echo "llama_build: stopped, over its share of the budget (at $((SECONDS - start)) s)" | tee -a "$work/steps.txt"

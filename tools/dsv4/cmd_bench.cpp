@@ -386,18 +386,9 @@ int run_bench(const BenchOptions& o) {
              (*model)->cache().options().max_sequences, (*model)->cache().max_context());
 
   Bench bench(o, *chosen, **model, *cost, *ceilings);
-  Status st;
-  if (wants(o, "decode"))
-    for (int64_t d : o.depths)
-      if (st.is_ok()) st = bench.decode(1, d, "decode");
-  if (wants(o, "aggregate"))
-    for (int64_t b : o.batches)
-      if (st.is_ok()) st = bench.decode(b, o.batch_depth, "aggregate");
-  if (wants(o, "prefill"))
-    for (int64_t p : o.prefill)
-      if (st.is_ok()) st = bench.prefill(p);
-
-  if (!o.json.empty()) {
+  // The JSON file is rewritten after every figure, so a run stopped early keeps what it measured.
+  const auto write_json = [&](const Status& st) -> Status {
+    if (o.json.empty()) return Status::ok();
     Json j{{"model", o.model},
            {"label", o.label},
            {"backend", device},
@@ -417,8 +408,23 @@ int run_bench(const BenchOptions& o) {
            {"error", st.is_ok() ? "" : st.message()}};
     std::ofstream out(o.json);
     out << j.dump(2) << "\n";
-    if (!out) return fail(Status::errorf(StatusCode::kIo, "{}: cannot write the JSON file", o.json));
-  }
+    if (!out) return Status::errorf(StatusCode::kIo, "{}: cannot write the JSON file", o.json);
+    return Status::ok();
+  };
+  Status st = write_json(Status::ok());
+  const auto measured = [&](Status s) {
+    if (Status w = write_json(s); !w.is_ok() && s.is_ok()) return w;
+    return s;
+  };
+  if (wants(o, "decode"))
+    for (int64_t d : o.depths)
+      if (st.is_ok()) st = measured(bench.decode(1, d, "decode"));
+  if (wants(o, "aggregate"))
+    for (int64_t b : o.batches)
+      if (st.is_ok()) st = measured(bench.decode(b, o.batch_depth, "aggregate"));
+  if (wants(o, "prefill"))
+    for (int64_t p : o.prefill)
+      if (st.is_ok()) st = measured(bench.prefill(p));
   if (!st.is_ok()) return fail(st);
   return kExitOk;
 }
