@@ -6,8 +6,8 @@
 #
 #   scripts/gpu.sh prepare   here (the project's build dependencies, no GPU needed): builds
 #                            build-cuda for sm_90a (test_cuda, the cuda_bench_* programs,
-#                            dsv4) and stages them with the shared libraries the GPU machine
-#                            lacks in build-gpu-bin/; downloads the llama-cpp-python 0.3.36
+#                            dsv4) and packs them with the shared libraries the GPU machine
+#                            lacks into build-gpu-bin/stage.tar.gz; downloads the llama-cpp-python 0.3.36
 #                            sdist (its vendor/llama.cpp, the peer) and packs its source,
 #                            without docs and models, in build-gpu-llama/ (never committed).
 #                            Prints the sizes: the device tool carries at most 64 MiB.
@@ -26,7 +26,8 @@
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
 #   kernels    the kernel benchmarks (cuda_bench_*; DSV4_GPU_BENCHES names a subset)
-# Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_SHM (where the
+# Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_BUILD=0 (use
+# the staged binaries even where the build dependencies exist), DSV4_GPU_SHM (where the
 # model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. Results
@@ -77,20 +78,27 @@ stage_llama() {
 if [ "$mode" = prepare ]; then
   set -e
   build build-cuda "${DSV4_JOBS:-2}"
-  rm -rf "$stage" && mkdir -p "$stage/lib" "$stage/compat"
-  cp build-cuda/tests/test_cuda build-cuda/bench/cuda_bench_* build-cuda/dsv4 "$stage/"
-  strip --strip-unneeded "$stage"/test_cuda "$stage"/cuda_bench_* "$stage"/dsv4 2>/dev/null || true
+  # Binaries and libraries go into one gzip archive: device code compresses 3-5x, and the
+  # device tool carries 64 MiB.
+  files="$(mktemp -d)"
+  mkdir -p "$files/lib" "$files/compat"
+  cp build-cuda/tests/test_cuda build-cuda/bench/cuda_bench_* build-cuda/dsv4 "$files/"
+  strip --strip-unneeded "$files"/test_cuda "$files"/cuda_bench_* "$files"/dsv4 2>/dev/null || true
   # Libraries outside the C runtime and the CUDA toolkit's large ones (cuBLAS comes from the
   # GPU machine's toolkit); libstdc++ separately, used only if the GPU machine's is older.
-  for bin in "$stage"/test_cuda "$stage"/cuda_bench_* "$stage"/dsv4; do
+  for bin in "$files"/test_cuda "$files"/cuda_bench_* "$files"/dsv4; do
     ldd "$bin" | awk '/=> \//{print $3}'
   done | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|libgcc_s.so*|ld-linux*|libcublas*) ;;
-      libstdc++.so*) cp -L "$lib" "$stage/compat/" ;;
-      *) cp -L "$lib" "$stage/lib/" ;;
+      libstdc++.so*) cp -L "$lib" "$files/compat/" ;;
+      *) cp -L "$lib" "$files/lib/" ;;
     esac
   done
+  rm -rf "$stage" && mkdir -p "$stage"
+  tar -czf "$stage/stage.tar.gz" -C "$files" .
+  (cd "$files" && ls -l . lib compat) >"$stage/contents.txt"
+  rm -rf "$files"
   stage_llama
   du -sh "$stage" "$llama_stage"
   total=$(du -cb "$stage" "$llama_stage" | tail -1 | cut -f1)
@@ -160,7 +168,7 @@ step() {
 # The binaries: DSV4_GPU_BIN's, else built here when the build dependencies exist, else
 # the staged ones.
 bin="${DSV4_GPU_BIN:-}"
-if [ -z "$bin" ] && [ -e /usr/include/fmt/format.h ] && [ -e /usr/include/gtest/gtest.h ] && [ -e /usr/include/nlohmann/json.hpp ] &&
+if [ -z "$bin" ] && [ "${DSV4_GPU_BUILD:-auto}" != 0 ] && [ -e /usr/include/fmt/format.h ] && [ -e /usr/include/gtest/gtest.h ] && [ -e /usr/include/nlohmann/json.hpp ] &&
    [ -e /usr/include/pcre2.h ] && [ -e /usr/include/utf8proc.h ] && [ -e /usr/include/CLI/CLI.hpp ]; then
   echo "== building on this machine (build-gpu)"
   if build build-gpu "$(nproc)" >"$work/build.log" 2>&1; then
@@ -171,17 +179,18 @@ if [ -z "$bin" ] && [ -e /usr/include/fmt/format.h ] && [ -e /usr/include/gtest/
   fi
 fi
 if [ -z "$bin" ]; then
-  [ -x "$stage/test_cuda" ] || { echo "no build dependencies here and no staged $stage/ (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
+  [ -f "$stage/stage.tar.gz" ] || { echo "no build dependencies here and no $stage/stage.tar.gz (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
+  rm -rf "$work/stage" && mkdir -p "$work/stage" && tar -xzf "$stage/stage.tar.gz" -C "$work/stage" || exit 1
   echo "== using the sm_90a binaries staged in $stage/"
-  bin="$stage"
-  libs="$PWD/$stage/lib"
+  bin="$work/stage"
+  libs="$bin/lib"
   for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
            "$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib")' 2>/dev/null)"; do
     [ -n "$d" ] && ls "$d"/libcublasLt.so* >/dev/null 2>&1 && libs="$libs:$d"
   done
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   if "$bin/test_cuda" --gtest_list_tests 2>&1 | grep -q GLIBCXX; then
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$PWD/$stage/compat"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$bin/compat"
   fi
   ldd "$bin/test_cuda" "$bin/dsv4" >>"$work/env.log" 2>&1
 fi
