@@ -17,21 +17,24 @@
 # Steps (DSV4_GPU_STEPS, default all, in this order; the llama.cpp build runs in the
 # background from the start while the checks run):
 #   tests      test_cuda (every GPU check)
-#   sanitizer  compute-sanitizer memcheck and racecheck on small subsets
-#              (DSV4_GPU_MEMCHECK / DSV4_GPU_RACECHECK: gtest filters)
+#   memcheck   compute-sanitizer memcheck on a subset (DSV4_GPU_MEMCHECK: a gtest filter)
+#   racecheck  compute-sanitizer racecheck on the shared-memory kernels (DSV4_GPU_RACECHECK)
+#              (DSV4_GPU_CHECKS, as before, picks among these three: "" for none)
 #   llama      llama.cpp's CUDA build (sm_90a, llama-bench only), then llama-bench decode and
 #              prefill on a cut of the geometry it loads (DSV4_GPU_CUT_LAYERS, default 4
 #              layers, trunk only, q2k types) and dsv4 bench on the same file, as ratios
 #   flash      dsv4 synth --fill random-blocks of the whole V4-Flash geometry (43 layers, q2k
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
-#   kernels    the kernel benchmarks (cuda_bench_*; DSV4_GPU_BENCHES names a subset)
+#   kernels    the kernel benchmarks (cuda_bench_*; DSV4_GPU_BENCHES names a subset, "" none)
 # Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_BUILD=0 (use
 # the staged binaries even where the build dependencies exist), DSV4_GPU_SHM (where the
 # model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
-# a step gets what is left of it at most, so one that hangs cannot eat the call. Results
-# that matter most come first; the kernel benchmarks take what remains. What comes back
+# a step gets what is left of it at most, so one that hangs cannot eat the call. With the
+# peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
+# first DSV4_GPU_CHECKS_SECONDS, 220) and the kernel benchmarks what remains at the end;
+# e.g. DSV4_GPU_STEPS="tests memcheck racecheck kernels" in a second call runs those fully. What comes back
 # ($OUT holds at most 8 files): table.txt, steps.txt, the dsv4 and llama-bench JSON files
 # and logs.tar.gz with every log, refreshed after each step.
 set -uo pipefail
@@ -77,12 +80,13 @@ stage_llama() {
 
 if [ "$mode" = prepare ]; then
   set -e
-  build build-cuda "${DSV4_JOBS:-2}"
+  dir="${DSV4_GPU_BUILD_DIR:-build-cuda}"  # any build dir configured with -DDSV4_CUDA=ON
+  build "$dir" "${DSV4_JOBS:-2}"
   # Binaries and libraries go into one gzip archive: device code compresses 3-5x, and the
   # device tool carries 64 MiB.
   files="$(mktemp -d)"
   mkdir -p "$files/lib" "$files/compat"
-  cp build-cuda/tests/test_cuda build-cuda/bench/cuda_bench_* build-cuda/dsv4 "$files/"
+  cp "$dir"/tests/test_cuda "$dir"/bench/cuda_bench_* "$dir"/dsv4 "$files/"
   strip --strip-unneeded "$files"/test_cuda "$files"/cuda_bench_* "$files"/dsv4 2>/dev/null || true
   # Libraries outside the C runtime and the CUDA toolkit's large ones (cuBLAS comes from the
   # GPU machine's toolkit); libstdc++ separately, used only if the GPU machine's is older.
@@ -112,7 +116,7 @@ fi
 out="${OUT:-$PWD/gpu-out}"
 work="${DSV4_GPU_WORK:-/tmp/dsv4-gpu}"
 shm="${DSV4_GPU_SHM:-/dev/shm}"
-steps=" ${DSV4_GPU_STEPS:-tests sanitizer llama flash kernels} "
+steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash kernels} "
 budget="${DSV4_GPU_BUDGET:-550}"
 cut_layers="${DSV4_GPU_CUT_LAYERS:-4}"
 mkdir -p "$out" "$work"
@@ -123,9 +127,14 @@ left() { echo $((budget - (SECONDS - start))); }
 # Seconds kept for the whole-geometry step while the steps before it run.
 reserve=0
 has flash && reserve="${DSV4_GPU_FLASH_RESERVE:-200}"
+# With the peer or the whole geometry in the call, the checks run while llama.cpp builds and
+# end with that phase (DSV4_GPU_CHECKS_SECONDS after the start); alone they have the budget.
+phase=$budget
+{ has llama || has flash; } && phase="${DSV4_GPU_CHECKS_SECONDS:-220}"
 # The time a step may take: its cap, or what is left of the budget (less the reserve and a
 # margin for the table), whichever is smaller.
 cap() { local l; l=$(($(left) - 15 - reserve)); echo $(($1 < l ? $1 : l)); }
+check_cap() { local c l; c=$(cap "$1"); l=$((phase - (SECONDS - start))); echo $((c < l ? c : l)); }
 
 # What comes back, refreshed after each step (at most 8 files under $OUT).
 refresh_out() {
@@ -137,9 +146,10 @@ refresh_out() {
 # step NAME CAP COMMAND...: runs with a time cap, output in $work/NAME.log, status in steps.txt.
 step() {
   local name=$1 limit t0 rc
-  limit=$(cap "$2"); shift 2
+  case "$2" in check:*) limit=$(check_cap "${2#check:}") ;; *) limit=$(cap "$2") ;; esac
+  shift 2
   if [ "$limit" -lt 10 ]; then
-    echo "$name skipped: the budget is spent" | tee -a "$work/steps.txt"
+    echo "$name skipped: no time left for it" | tee -a "$work/steps.txt"
     return 1
   fi
   echo "== $name (at $((SECONDS - start)) s, cap $limit s)"
@@ -228,16 +238,23 @@ fi
 
 # ---- checks (no timing: they share the machine with the build) ---------------------------
 if has tests; then
-  step test_cuda 120 "$bin/test_cuda" --gtest_color=no
+  step test_cuda check:300 "$bin/test_cuda" --gtest_color=no
   grep -aE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$work/test_cuda.log" | head -40
 fi
-if has sanitizer && command -v compute-sanitizer >/dev/null; then
-  memcheck="${DSV4_GPU_MEMCHECK:-Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q2_K:Types/PrefillTest.*q2_K:CudaBackendOps.*:CudaAttentionOps.*:CudaBackendAttention.*}"
-  racecheck="${DSV4_GPU_RACECHECK:-Types/MatvecTest.OddShapes*q2_K*:CudaAttentionOps.TopKIdenticalWithPlantedTies:CudaBackendAttention.AttentionMatchesCpu}"
-  step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no --gtest_filter="$memcheck"
-  grep -aE "ERROR SUMMARY|^\[  (PASSED|FAILED) " "$work/memcheck.log" | head -5
-  step racecheck 45 compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no --gtest_filter="$racecheck"
-  grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$work/racecheck.log" | head -5
+if command -v compute-sanitizer >/dev/null; then
+  memcheck="${DSV4_GPU_MEMCHECK:-Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q3_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:Types/MmqTest.OddShapes*:Types/MmqTest.KSplit*/q8_0:CudaBackendOps.GetRows*:CudaBackendOps.RmsNorm*:CudaBackendOps.HyperConnections:CudaBackendOps.Hadamard*:CudaBackendOps.Route*:CudaBackendOps.CopyRows*:CudaAttentionOps.*:Cases/CudaAttention.*tiny_hca:Cases/CudaIndexer.*tiny}"
+  # Shared-memory hazards of the staged kernels (tensor-core tiles, fused decode experts).
+  racecheck="${DSV4_GPU_RACECHECK:-Types/MmqTest.OddShapes*/q2_K:Types/MmqTest.KSplit*/q3_K:MoeDecode.*}"
+  if has memcheck; then
+    step memcheck check:240 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
+      --gtest_filter="$memcheck"
+    grep -aE "ERROR SUMMARY|^\[  (PASSED|FAILED) " "$work/memcheck.log" | head -5
+  fi
+  if has racecheck; then
+    step racecheck check:240 compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
+      --gtest_filter="$racecheck"
+    grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$work/racecheck.log" | head -5
+  fi
 fi
 
 # Room in $shm for a synthetic file (dsv4 synth flags): /dev/shm holds half the RAM by
@@ -320,10 +337,12 @@ fi
 
 # ---- kernel benchmarks, with what is left ------------------------------------------------
 if has kernels; then
+  # DSV4_GPU_BENCHES="matvec moe" runs only those (unset: all; "": none).
   for exe in "$bin"/cuda_bench_*; do
     name=${exe##*/cuda_bench_}
-    case " ${DSV4_GPU_BENCHES:-$name} " in *" $name "*) ;; *) continue ;; esac
-    step "bench_$name" 90 "$exe"
+    case " ${DSV4_GPU_BENCHES-$name} " in *" $name "*) ;; *) continue ;; esac
+    case $name in matvec) limit=420 ;; moe) limit=300 ;; prefill) limit=120 ;; *) limit=180 ;; esac
+    step "bench_$name" "$limit" "$exe"
   done
 fi
 

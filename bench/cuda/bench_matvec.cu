@@ -1,5 +1,8 @@
 // Matrix-vector products at V4-Flash shapes for every weight type: achieved bytes/s over the
-// weight bytes against the copy and read bandwidth measured in the same run.
+// weight bytes against the copy and read bandwidth measured in the same run. Rows 2-64 compare
+// the int8 tensor-core kernels (mmq.h, "mma") with the dp4a kernel ("dp4a", at most 16 rows),
+// and one row of BF16 / MXFP4 / Q4_K / Q6_K the new kernels with the general one ("legacy"),
+// all in the same run (KernelChoice).
 //  "graph": one matvec call per matrix (activation quantisation + product), many calls
 //           replayed from a CUDA graph over rotating copies (larger than L2): decode's setting.
 //  "graph-noPDL": the same without programmatic dependent launch (matvec.h).
@@ -25,9 +28,11 @@ struct Shape {
   int64_t n, k, groups;  // groups > 1: a grouped projection (batch of matrices, own inputs)
 };
 
-void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStream_t stream, bool compare_launch = false) {
+void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStream_t stream, bool compare_launch = false,
+         const char* label = nullptr, bool batched_only = false) {
   const auto& t = ggml_traits(type);
-  const std::string name = std::string(t.name) + " " + s.name + " rows=" + std::to_string(rows);
+  const std::string name =
+      std::string(t.name) + " " + s.name + " rows=" + std::to_string(rows) + (label ? std::string(" ") + label : "");
   // DSV4_BENCH_ONLY=<regular expression>: run only the cases whose name it matches (a plain
   // substring works), e.g. "^(Q8_0|Q2_K) .*rows=1$".
   if (const char* only = std::getenv("DSV4_BENCH_ONLY"); only != nullptr && !std::regex_search(name, std::regex(only)))
@@ -59,7 +64,7 @@ void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStrea
     set_programmatic_launch(true);
     return us;
   };
-  const double graph_us = graph_time(true);
+  const double graph_us = batched_only ? 0.0 : graph_time(true);
   const double batched_us = time_us(stream, 
       [&] { check_status(matvec(all, x.get<float>(), rows, y.get<float>(), ws.p, ws.bytes, stream), "matvec"); }, 3) /
       copies;
@@ -67,9 +72,12 @@ void run(GgmlType type, const Shape& s, int rows, const Bandwidth& bw, cudaStrea
   const double gbs_graph = matrix_bytes / graph_us / 1e3, gbs_batched = matrix_bytes / batched_us / 1e3;
 
   char note[160];
-  std::snprintf(note, sizeof note, "%.2f MB/matrix; graph %.2f us = %.0f GB/s (%.0f%% of copy); read-bw %.0f%%",
-                matrix_bytes / 1e6, graph_us, gbs_graph, 100 * gbs_graph / bw.copy_gbs, 100 * gbs_batched / bw.read_gbs);
-  report("matvec", name + " graph", gbs_graph, "GB/s", gbs_graph / bw.copy_gbs, note);
+  if (!batched_only) {
+    std::snprintf(note, sizeof note, "%.2f MB/matrix; graph %.2f us = %.0f GB/s (%.0f%% of copy); read-bw %.0f%%",
+                  matrix_bytes / 1e6, graph_us, gbs_graph, 100 * gbs_graph / bw.copy_gbs,
+                  100 * gbs_batched / bw.read_gbs);
+    report("matvec", name + " graph", gbs_graph, "GB/s", gbs_graph / bw.copy_gbs, note);
+  }
   if (compare_launch) {
     const double plain_us = graph_time(false);
     const double gbs = matrix_bytes / plain_us / 1e3;
@@ -100,11 +108,33 @@ int main() {
   for (GgmlType type : types)
     for (const Shape& s : shapes)
       run(type, s, 1, bw, stream, type == GgmlType::Q8_0 || type == GgmlType::Q2_K || type == GgmlType::Q3_K);
-  for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K})
-    for (int rows : {4, 16}) {
-      run(type, shapes[0], rows, bw, stream);
-      run(type, shapes[4], rows, bw, stream);
-    }
+  // One row: the new kernels against the general kernel they replaced, same run.
+  KernelChoice legacy;
+  legacy.matvec_bf16 = legacy.matvec_row_extra = legacy.matvec_mma = false;
+  for (GgmlType type : {GgmlType::BF16, GgmlType::MXFP4, GgmlType::Q4_K, GgmlType::Q6_K}) {
+    set_kernel_choice(legacy);
+    for (const Shape& s : {shapes[1], shapes[4], shapes[5]}) run(type, s, 1, bw, stream, false, "legacy", true);
+    set_kernel_choice(KernelChoice{});
+  }
+  // 2-64 rows: tensor cores ("mma", the default) and dp4a ("dp4a", up to 16 rows).
+  // Every row count on 8192->4096 (the issue's comparison with llama.cpp), 16 rows on two more.
+  for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::MXFP4})
+    for (int rows : {2, 4, 8, 16, 32, 64})
+      for (int shape : {4, 1, 0}) {
+        if (shape != 4 && rows != 16) continue;
+        run(type, shapes[shape], rows, bw, stream, false, "mma", true);
+        if (rows <= 16 && (rows == 16 || shape == 4)) {
+          set_kernel_choice(legacy);
+          run(type, shapes[shape], rows, bw, stream, false, "dp4a", true);
+          set_kernel_choice(KernelChoice{});
+        }
+      }
+  for (int rows : {2, 4, 16}) {
+    run(GgmlType::BF16, shapes[4], rows, bw, stream, false, nullptr, true);
+    set_kernel_choice(legacy);
+    run(GgmlType::BF16, shapes[4], rows, bw, stream, false, "legacy", true);
+    set_kernel_choice(KernelChoice{});
+  }
   BENCH_CUDA(cudaStreamDestroy(stream));
   return 0;
 }

@@ -1,7 +1,10 @@
-// The routed-expert path. Decode: one token's 6 experts through all 43 layers (each layer its
-// own weights, 8 experts per layer allocated, 6 chosen), replayed from a CUDA graph, against
-// the time to read the same bytes at the measured read bandwidth. Batched: one layer of 256
-// experts for many tokens (expert-sorted tiles), as time per layer and weight bandwidth.
+// The routed-expert path. Decode: one (or two) tokens' 6 experts through all 43 layers (each
+// layer its own weights, 8 experts per layer allocated, 6 chosen), replayed from a CUDA graph,
+// against the time to read the same bytes at the measured read bandwidth; the fused decode
+// kernels (moe_decode.cu, default) and the earlier four-launch path ("legacy") in the same
+// run. Batched: one layer of 256 experts for many tokens (expert-sorted tiles; tensor cores by
+// default, the dp4a tiles as "legacy"), as time per layer, weight bandwidth and int8 TOP/s
+// against cuBLASLt's BF16 rate measured in the same run on the expert shape.
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
@@ -9,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/gemm_prefill.h"
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/moe_experts.h"
 #include "bench_util.cuh"
@@ -48,47 +52,66 @@ std::vector<int32_t> route(int64_t tokens, int64_t experts, std::mt19937& rng) {
   return ids;
 }
 
-void decode_43_layers(GgmlType gu, GgmlType down, const Bandwidth& bw, cudaStream_t stream) {
+KernelChoice legacy_moe() {
+  KernelChoice c;
+  c.moe_decode = c.moe_mma = false;
+  return c;
+}
+
+void decode_43_layers(GgmlType gu, GgmlType down, const Bandwidth& bw, cudaStream_t stream, bool legacy = false,
+                      int64_t tokens = 1) {
   constexpr int64_t kExpertsPerLayer = 8;
+  set_kernel_choice(legacy ? legacy_moe() : KernelChoice{});
   std::vector<ExpertSet*> layers;
   for (int l = 0; l < kLayers; ++l) layers.push_back(new ExpertSet(gu, down, kExpertsPerLayer));
   std::mt19937 rng(5);
-  Buffer x(kLayers * kHidden * sizeof(float)), y(kLayers * kHidden * sizeof(float));
-  Buffer ids(kLayers * kTopK * sizeof(int32_t)), wts(kLayers * kTopK * sizeof(float));
-  fill_floats(x.get<float>(), kLayers * kHidden, 9);
+  const int64_t per_layer = tokens * kHidden;
+  Buffer x(kLayers * per_layer * sizeof(float)), y(kLayers * per_layer * sizeof(float));
+  Buffer ids(kLayers * tokens * kTopK * sizeof(int32_t)), wts(kLayers * tokens * kTopK * sizeof(float));
+  fill_floats(x.get<float>(), kLayers * per_layer, 9);
   std::vector<int32_t> all_ids;
+  int64_t distinct = 0;  // experts read per layer, summed (two tokens may share some)
   for (int l = 0; l < kLayers; ++l) {
-    const auto r = route(1, kExpertsPerLayer, rng);
+    const auto r = route(tokens, kExpertsPerLayer, rng);
     all_ids.insert(all_ids.end(), r.begin(), r.end());
+    std::vector<char> used(kExpertsPerLayer, 0);
+    for (int32_t e : r) used[e] = 1;
+    distinct += std::count(used.begin(), used.end(), 1);
   }
-  std::vector<float> w(kLayers * kTopK, 0.25f);
+  std::vector<float> w(all_ids.size(), 0.25f);
   BENCH_CUDA(cudaMemcpy(ids.p, all_ids.data(), all_ids.size() * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(wts.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
   const ExpertWeights w0 = layers[0]->weights();
-  Buffer ws(moe_experts_workspace_bytes(w0, 1, kTopK));
+  Buffer ws(moe_experts_workspace_bytes(w0, tokens, kTopK));
   const cudaGraphExec_t graph = capture(stream, [&] {
     for (int l = 0; l < kLayers; ++l) {
-      const ExpertRouting r{ids.get<int32_t>() + l * kTopK, wts.get<float>() + l * kTopK, 1, kTopK};
-      check_status(moe_experts(layers[l]->weights(), x.get<float>() + l * kHidden, r, kLimit,
-                               y.get<float>() + l * kHidden, ws.p, ws.bytes, stream),
+      const ExpertRouting r{ids.get<int32_t>() + l * tokens * kTopK, wts.get<float>() + l * tokens * kTopK, tokens,
+                            kTopK};
+      check_status(moe_experts(layers[l]->weights(), x.get<float>() + l * per_layer, r, kLimit,
+                               y.get<float>() + l * per_layer, ws.p, ws.bytes, stream),
                    "moe_experts");
     }
   });
   const double us = time_us(stream, [&] { BENCH_CUDA(cudaGraphLaunch(graph, stream)); }, 10);
   cudaGraphExecDestroy(graph);
-  const double bytes = double(kLayers) * kTopK * (2.0 * layers[0]->gu_bytes + layers[0]->down_bytes);
+  // The bound counts each distinct expert's bytes once per layer (the kernels read a shared
+  // expert once per token: two tokens sharing experts read more than the bound counts).
+  const double bytes = double(distinct) * (2.0 * layers[0]->gu_bytes + layers[0]->down_bytes);
   const double bound_us = bytes / (bw.read_gbs * 1e3);
   char note[200];
   std::snprintf(note, sizeof note, "%.2f GB of expert weights; bound %.0f us at the read bandwidth; %.0f GB/s", bytes / 1e9,
                 bound_us, bytes / us / 1e3);
-  report("moe", std::string("decode 1 token x 6 experts x 43 layers ") + std::string(ggml_type_name(gu)) + "/" +
-                    std::string(ggml_type_name(down)),
+  report("moe", std::string("decode ") + std::to_string(tokens) + " token x 6 experts x 43 layers " +
+                    std::string(ggml_type_name(gu)) + "/" + std::string(ggml_type_name(down)) +
+                    (legacy ? " legacy" : ""),
          us, "us", bound_us / us, note);
   for (auto* l : layers) delete l;
+  set_kernel_choice(KernelChoice{});
 }
 
 void batched_layer(GgmlType gu, GgmlType down, int64_t tokens, const ExpertSet& set, const Bandwidth& bw,
-                   cudaStream_t stream) {
+                   double bf16_tflops, cudaStream_t stream, bool legacy = false) {
+  set_kernel_choice(legacy ? legacy_moe() : KernelChoice{});
   std::mt19937 rng(11);
   const auto r = route(tokens, set.experts, rng);
   std::vector<float> w(r.size(), 0.25f);
@@ -111,13 +134,39 @@ void batched_layer(GgmlType gu, GgmlType down, int64_t tokens, const ExpertSet& 
   const double touched = std::count(used.begin(), used.end(), 1);
   const double bytes = touched * (2.0 * set.gu_bytes + set.down_bytes);
   const double flops = 2.0 * tokens * kTopK * 3.0 * kHidden * kFfn;
-  char note[200];
-  std::snprintf(note, sizeof note, "%.0f experts touched, %.2f GB: %.0f GB/s (%.0f%% of read bw); %.1f TFLOP/s; %.0f tok/s",
+  char note[240];
+  std::snprintf(note, sizeof note,
+                "%.0f experts touched, %.2f GB: %.0f GB/s (%.0f%% of read bw); %.1f TOP/s = %.2f of cuBLAS BF16 %.0f; "
+                "%.0f tok/s",
                 touched, bytes / 1e9, bytes / us / 1e3, 100 * bytes / us / 1e3 / bw.read_gbs, flops / us / 1e6,
-                tokens / us * 1e6);
+                flops / us / 1e6 / bf16_tflops, bf16_tflops, tokens / us * 1e6);
+  // Ratio: the weight bandwidth's share of the read bandwidth for decode-like counts, the
+  // share of cuBLAS's BF16 rate for prefill-like ones (>= 512 tokens: compute-bound).
+  const double ratio = tokens >= 512 ? flops / us / 1e6 / bf16_tflops : bytes / us / 1e3 / bw.read_gbs;
   report("moe", "batched layer 256 experts, " + std::to_string(tokens) + " tokens " + std::string(ggml_type_name(gu)) +
-                    "/" + std::string(ggml_type_name(down)),
-         us, "us", bytes / us / 1e3 / bw.read_gbs, note);
+                    "/" + std::string(ggml_type_name(down)) + (legacy ? " legacy" : ""),
+         us, "us", ratio, note);
+  set_kernel_choice(KernelChoice{});
+}
+
+// cuBLASLt BF16 on the expert shape (m = 4096 tokens, 4096 -> 2048): the tensor-core rate the
+// prefill tiles are compared with.
+double bf16_expert_tflops(cudaStream_t stream) {
+  cublasLtHandle_t handle;
+  if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) return 0.0;
+  const int64_t m = 4096, n = kFfn, k = kHidden;
+  Buffer a(m * k * 2), wb(n * k * 2), c(m * n * 4), ws(kCublasLtWorkspaceBytes);
+  fill_weights(GgmlType::BF16, a.p, a.bytes, 3);
+  fill_weights(GgmlType::BF16, wb.p, wb.bytes, 4);
+  const double us = time_us(stream,
+                            [&] {
+                              check_status(gemm_bf16(handle, a.get<__nv_bfloat16>(), wb.get<__nv_bfloat16>(),
+                                                     c.get<float>(), m, n, k, ws.p, ws.bytes, stream),
+                                           "gemm_bf16");
+                            },
+                            10);
+  cublasLtDestroy(handle);
+  return 2.0 * m * n * k / us / 1e6;
 }
 
 }  // namespace
@@ -128,13 +177,26 @@ int main() {
   const Bandwidth bw = measure_bandwidth();
   check_status(prepare_matvec_tables(), "prepare_matvec_tables");
   report("bandwidth", "streaming read kernel (moe run)", bw.read_gbs, "GB/s", 1.0, "");
-  decode_43_layers(GgmlType::Q2_K, GgmlType::Q2_K, bw, stream);
-  decode_43_layers(GgmlType::IQ2_XXS, GgmlType::Q2_K, bw, stream);
+  for (const bool legacy : {false, true}) {
+    decode_43_layers(GgmlType::Q2_K, GgmlType::Q2_K, bw, stream, legacy);
+    decode_43_layers(GgmlType::Q2_K, GgmlType::Q3_K, bw, stream, legacy);  // the q2k recipe
+  }
+  decode_43_layers(GgmlType::Q2_K, GgmlType::Q3_K, bw, stream, false, 2);  // MTP verification
+  decode_43_layers(GgmlType::IQ2_XXS, GgmlType::Q2_K, bw, stream);         // general path (no fused kernel)
   decode_43_layers(GgmlType::Q3_K, GgmlType::Q3_K, bw, stream);
   decode_43_layers(GgmlType::MXFP4, GgmlType::MXFP4, bw, stream);
+  decode_43_layers(GgmlType::Q8_0, GgmlType::Q8_0, bw, stream);
+  const double bf16 = bf16_expert_tflops(stream);
+  report("moe", "cuBLASLt BF16 m=4096 4096->2048", bf16, "TFLOP/s", 1.0, "the prefill tiles' reference rate");
   {
-    const ExpertSet set(GgmlType::Q2_K, GgmlType::Q2_K, 256);
-    for (int64_t tokens : {16, 128, 512, 2048}) batched_layer(GgmlType::Q2_K, GgmlType::Q2_K, tokens, set, bw, stream);
+    const ExpertSet set(GgmlType::Q2_K, GgmlType::Q3_K, 256);
+    for (int64_t tokens : {16, 64, 128, 512, 2048, 8192})
+      batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream);
+    for (int64_t tokens : {16, 128, 512}) batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, true);
+  }
+  {
+    const ExpertSet set(GgmlType::MXFP4, GgmlType::MXFP4, 256);
+    for (int64_t tokens : {64, 2048}) batched_layer(GgmlType::MXFP4, GgmlType::MXFP4, tokens, set, bw, bf16, stream);
   }
   BENCH_CUDA(cudaStreamDestroy(stream));
   return 0;

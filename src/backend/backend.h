@@ -108,7 +108,16 @@ struct StepRows {
   // that grow with the context (indexer scores); the live lengths stay on the device.
   int64_t max_end = 0;
 };
-enum SeqField : int { kSeqFirstRow = 0, kSeqRows = 1, kSeqFirstPos = 2, kSeqSlot = 3, kSeqFields = 4 };
+// kSeqWindowStart: the first position whose KV the sequence has (0, or a KV graft's
+// footprint: a grafted sequence starts there, with no window before it).
+enum SeqField : int {
+  kSeqFirstRow = 0,
+  kSeqRows = 1,
+  kSeqFirstPos = 2,
+  kSeqSlot = 3,
+  kSeqWindowStart = 4,
+  kSeqFields = 5,
+};
 
 // Fixed-size per-sequence state in one tensor for every cache slot: slot s owns rows
 // [s * rows_per_slot, (s + 1) * rows_per_slot) of `data` (F32 [slots * rows_per_slot, width]).
@@ -121,18 +130,21 @@ struct SlotRows {
 // Rows that grow with a sequence (compressed KV entries, indexer keys), in fixed-size pages
 // of one pool: row i of slot s lives at pool row page_table[s, i / page_rows] * page_rows +
 // i % page_rows. Pages are handed out by the cache manager (model/kv_cache.h) before a step.
+// A slot's rows below first_row[slot] do not exist (a KV graft planted fewer rows than its
+// footprint spans): attention, indexer scores and top-k skip them.
 struct PagedRows {
   Tensor pool;        // F32 [pages * page_rows, width]
   Tensor page_table;  // I32 [slots, max_pages]
   int64_t page_rows = 0;
+  Tensor first_row;   // I32 [slots], or empty: every slot's rows start at 0
 };
 
 // The keys one attention layer reads (spec §3.1-§3.5). For row r at position t:
-//   window keys: positions max(0, t - window + 1) .. t, in position order, from `chunk`
-//     (this step's KV rows) for positions of this step and from `ring` otherwise;
+//   window keys: positions max(window start, t - window + 1) .. t, in position order, from
+//     `chunk` (this step's KV rows) for positions of this step and from `ring` otherwise;
 //   compressed keys (ratio > 0): with `selected` absent, every visible entry
-//     0 .. (t + 1) / ratio - 1 in order (HCA); else the entries listed in selected[r]
-//     (CSA: ascending, -1 = unused slot) of `entries`.
+//     first_row .. (t + 1) / ratio - 1 in order (HCA); else the entries listed in
+//     selected[r] (CSA: ascending, -1 = unused slot) of `entries`.
 struct AttentionKeys {
   int64_t window = 0;
   SlotRows ring;        // [slots * window, d]
@@ -243,14 +255,14 @@ class Backend {
                                const PagedRows& dst) = 0;
 
   // Lightning-indexer scores (spec §3.6): for row r with visible(r) = (position + 1) / ratio
-  // entries, scores[r, b] = sum_h w[r,h] relu(q[r,h] . keys_b) for b < visible(r) (keys of
-  // the row's sequence), -inf for visible(r) <= b < scores.cols. q F32 [n, H*dk],
-  // w F32 [n, H], keys width dk, scores F32 [n, >= max visible].
+  // entries, scores[r, b] = sum_h w[r,h] relu(q[r,h] . keys_b) for first_row <= b <
+  // visible(r) (keys of the row's sequence), -inf for the other b < scores.cols.
+  // q F32 [n, H*dk], w F32 [n, H], keys width dk, scores F32 [n, >= max visible].
   virtual Status indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys,
                                 int ratio, const StepRows& rows, const Tensor& scores) = 0;
-  // Per row: the indices of the k largest of the first visible(r) scores (all of them when
-  // visible(r) <= k; equal scores keep the lower index), ascending, then -1 padding, into
-  // idx I32 [n, k].
+  // Per row: the indices of the k largest finite scores among the first visible(r) (all of
+  // them when there are at most k; equal scores keep the lower index; -inf marks an entry
+  // that does not exist), ascending, then -1 padding, into idx I32 [n, k].
   virtual Status top_k(const Tensor& scores, int ratio, const StepRows& rows, int k,
                        const Tensor& idx) = 0;
 
@@ -279,6 +291,14 @@ class Backend {
   virtual Status swiglu_expert(const Tensor& x, const Tensor& gate, const Tensor& up,
                                const Tensor& down, float limit, MatmulMode mode,
                                const Tensor& y) = 0;
+
+  // --- steering (model/steering.h) -------------------------------------------------------
+  // In place on every row r of x (F32 [n, W]), for each of its W / group groups g (a
+  // stream's slice, or the whole row) with direction d_g (dir F32 [group], the same for
+  // every group, or [W], one slice per group): project: x_g -= alpha[r] (x_g . d_g) d_g
+  // (d_g a unit vector); add: x_g += alpha[r] d_g. alpha F32 [n]. Rows with alpha 0 are
+  // left exactly as they were.
+  virtual Status steer(const Tensor& x, const Tensor& dir, int64_t group, bool project, const Tensor& alpha) = 0;
 
   // --- sampling (backend/sampling.h) -----------------------------------------------------
   // One token per row of logits (F32 [n, V], modified in place by the adjustments).

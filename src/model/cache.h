@@ -52,11 +52,16 @@ class CacheBudget {
   std::atomic<uint64_t> used_{0};
 };
 
+struct KvGraft;
+
 struct SequenceOptions {
   uint64_t max_context = 0;     // 0: the model's context length
   uint64_t memory_budget = 0;   // 0: unlimited; else the plan's total must fit
   bool with_mtp = false;        // keep the MTP blocks' windows too
   std::shared_ptr<CacheBudget> shared_budget;  // optional: charged as memory is committed
+  // Optional: rows planted in the compressed caches before the first token (kv_graft.h);
+  // the sequence then starts at the graft's footprint.
+  std::shared_ptr<const KvGraft> graft;
 };
 
 // One sequence's place in the cache manager. Created by Model::new_sequence (or fork),
@@ -75,6 +80,12 @@ class Sequence {
   // Memory this sequence holds: its slot's fixed parts and the pages it references.
   uint64_t committed_bytes() const;
   uint32_t slot() const { return slot_; }
+  // The first position with KV: 0, or a graft's footprint.
+  int64_t window_start() const { return window_start_; }
+  const std::shared_ptr<const KvGraft>& graft() const { return graft_; }
+  // Steering strength for this sequence (Model::bind_steering sets the default).
+  float steering_alpha() const { return steering_alpha_; }
+  void set_steering_alpha(float alpha) { steering_alpha_ = alpha; }
 
  private:
   friend class Model;
@@ -88,6 +99,9 @@ class Sequence {
   bool with_mtp_ = false;
   int64_t position_ = 0;
   int64_t mtp_position_ = 0;
+  int64_t window_start_ = 0;
+  float steering_alpha_ = 0.0f;
+  std::shared_ptr<const KvGraft> graft_;
   std::vector<std::vector<int32_t>> pages_;  // per cache list: page ids in row order
   std::shared_ptr<CacheBudget> budget_;
 };

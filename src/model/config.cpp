@@ -325,4 +325,14 @@ void ModelConfig::write_gguf_metadata(gguf::GgufWriter& w, GgufPart part) const 
   w.set(key("hyper_connection.epsilon"), Value::f32(hc_eps));
 }
 
+std::string ModelConfig::identity() const {
+  std::string ratios;
+  for (uint32_t r : compress_ratios) ratios += (ratios.empty() ? "" : ",") + std::to_string(r);
+  return fmt::format("{} vocab={} hidden={} layers={} mtp={} heads={} head_dim={} q_rank={} o_rank={} o_groups={} "
+                     "window={} ratios={} index={}x{} experts={}x{} top{} hc={}",
+                     architecture(), vocab_size, hidden, n_layers, n_mtp, n_heads, head_dim, q_lora_rank, o_lora_rank,
+                     o_groups, sliding_window, ratios, index_heads, index_head_dim, n_experts, expert_ffn,
+                     n_experts_used, hc_mult);
+}
+
 }  // namespace dsv4

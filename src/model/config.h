@@ -106,6 +106,10 @@ struct ModelConfig {
   // ranges); the message names the field and both values.
   Status validate() const;
 
+  // The geometry in one canonical line ("deepseek4 vocab=... hidden=... ratios=..."):
+  // what a steering file or KV graft records as the model it was made for.
+  std::string identity() const;
+
   // Reads `<arch>.*` keys of a deepseek4 / deepseek41 file; errors name file and key.
   // `mtp_blocks`: how many of the file's blocks are MTP blocks when the caller has looked
   // at its tensors (model_files.h: llama.cpp counts nextn_predict_layers only when the

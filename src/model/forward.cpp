@@ -33,12 +33,19 @@ Result<Step> ForwardPass::make_step(std::vector<StepItem> items, const std::vect
     f[backend::kSeqRows] = static_cast<int32_t>(it.n);
     f[backend::kSeqFirstPos] = static_cast<int32_t>(it.pos0);
     f[backend::kSeqSlot] = static_cast<int32_t>(it.seq->slot());
+    f[backend::kSeqWindowStart] = static_cast<int32_t>(it.seq->window_start());
     rows.max_end = std::max(rows.max_end, it.pos0 + it.n);
   }
   DSV4_ASSIGN_OR_RETURN(rows.tokens, upload_i32(tokens, {rows.n}));
   DSV4_ASSIGN_OR_RETURN(rows.positions, upload_i32(positions, {rows.n}));
   DSV4_ASSIGN_OR_RETURN(rows.row_seq, upload_i32(row_seq, {rows.n}));
   DSV4_ASSIGN_OR_RETURN(rows.seqs, upload_i32(seqs, {rows.n_seqs, backend::kSeqFields}));
+  if (steering) {
+    std::vector<float> alpha(tokens.size());
+    for (const StepItem& it : items) std::fill_n(alpha.begin() + it.row0, it.n, it.seq->steering_alpha());
+    DSV4_ASSIGN_OR_RETURN(step.steer_alpha, f32({rows.n}));
+    DSV4_TRY(be.upload(step.steer_alpha, alpha.data(), alpha.size() * sizeof(float)));
+  }
   step.items = std::move(items);
   return step;
 }
@@ -93,8 +100,17 @@ Status ForwardPass::block(const LayerPlan& layer, const Tensor& streams, const S
   DSV4_TRY(be.rms_norm(ffn_mix.x, &bw.ffn_norm, c.rms_eps, d, ffn_in));
   DSV4_ASSIGN_OR_RETURN(Tensor ffn_out, moe(layer, ffn_in, step));
   DSV4_TRY(note(b, "ffn_out", ffn_out));
+  DSV4_TRY(steer(b, SteerHook::FfnOut, ffn_out, step));
   DSV4_TRY(hc_post(ffn_out, ffn_mix, streams));
-  return note(b, "out_streams", streams);
+  DSV4_TRY(note(b, "out_streams", streams));
+  return steer(b, SteerHook::PostLayerStreams, streams, step);
+}
+
+Status ForwardPass::steer(uint32_t b, SteerHook hook, const Tensor& x, const Step& step) const {
+  if (!steering || steering->hook != hook || b >= steering->directions.size() || !steering->directions[b].valid())
+    return Status::ok();
+  DSV4_TRY(be.steer(x, steering->directions[b], c.hidden, steering->mode == SteerMode::Project, step.steer_alpha));
+  return note(b, hook == SteerHook::FfnOut ? "ffn_out_steered" : "out_streams_steered", x);
 }
 
 Status ForwardPass::record(uint32_t b, const char* what, const Tensor& t) const {

@@ -34,6 +34,7 @@ struct StepItem {
 struct Step {
   std::vector<StepItem> items;
   backend::StepRows rows;
+  backend::Tensor steer_alpha;  // F32 [n]: each row's steering strength (with a binding)
 };
 
 struct ForwardPass {
@@ -44,6 +45,7 @@ struct ForwardPass {
   backend::Backend& be;
   KvCache& cache;
   ForwardTrace* trace = nullptr;  // optional: receives the named intermediates (trace.h)
+  const Model::Steering* steering = nullptr;  // optional: GLP directions (steering.h)
 
   // Uploads the step's tokens, positions and per-sequence metadata (one upload each).
   Result<Step> make_step(std::vector<StepItem> items, const std::vector<int32_t>& tokens) const;
@@ -72,6 +74,9 @@ struct ForwardPass {
   // §3.6: the lightning indexer's top-k entries per row into idx I32 [n, top-k].
   Status indexer(const LayerPlan& layer, const backend::Tensor& x, const backend::Tensor& qr,
                  const Step& step, const backend::Tensor& idx) const;
+
+  // GLP steering of `x` at `hook` in block b, when a direction is bound there.
+  Status steer(uint32_t b, SteerHook hook, const backend::Tensor& x, const Step& step) const;
 
   // §4 (moe.cpp).
   Result<backend::Tensor> moe(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;

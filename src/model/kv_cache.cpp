@@ -1,9 +1,12 @@
 #include "model/kv_cache.h"
 
+#include "model/kv_graft.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <span>
@@ -73,6 +76,8 @@ Result<std::unique_ptr<KvCache>> KvCache::create(const ModelConfig& c, const Mod
     DSV4_ASSIGN_OR_RETURN(t.device, be.reserve(GgmlType::I32, shape2(slots, t.max_pages)));
     t.host.assign(static_cast<size_t>(slots * t.max_pages), -1);
     t.dirty.assign(slots, true);
+    DSV4_ASSIGN_OR_RETURN(t.first_row, be.reserve(GgmlType::I32, std::vector<int64_t>{slots}));
+    t.first_row_host.assign(slots, 0);
     full_pages[l.width] += slots * t.max_pages;
     kc->tables_.push_back(std::move(t));
   }
@@ -108,14 +113,16 @@ uint64_t KvCache::free_pages(uint32_t width) const {
 
 backend::PagedRows KvCache::list(int32_t id) const {
   const ListTable& t = tables_.at(id);
-  return {pools_[t.pool]->data, t.device, pools_[t.pool]->page_rows};
+  return {pools_[t.pool]->data, t.device, pools_[t.pool]->page_rows, t.first_row};
 }
 
 uint64_t KvCache::page_bytes(int32_t list) const { return pools_[tables_.at(list).pool]->page_bytes(); }
 
 uint64_t KvCache::referenced_bytes(const Sequence& seq) const {
   uint64_t n = 0;
-  for (size_t l = 0; l < seq.pages_.size(); ++l) n += seq.pages_[l].size() * page_bytes(static_cast<int32_t>(l));
+  for (size_t l = 0; l < seq.pages_.size(); ++l)
+    n += std::count_if(seq.pages_[l].begin(), seq.pages_[l].end(), [](int32_t p) { return p >= 0; }) *
+         page_bytes(static_cast<int32_t>(l));
   return n;
 }
 
@@ -155,6 +162,10 @@ Status KvCache::attach(Sequence& seq) {
   seq.cache_ = this;
   seq.slot_ = slot;
   seq.pages_.assign(plan_.lists.size(), {});
+  for (ListTable& t : tables_) {
+    t.first_row_host[slot] = 0;
+    t.first_row_dirty = true;
+  }
   return Status::ok();
 }
 
@@ -171,6 +182,7 @@ Result<int32_t> KvCache::take_page(int32_t list, const std::shared_ptr<CacheBudg
 }
 
 void KvCache::drop_page(int32_t list, int32_t page) {
+  if (page < 0) return;  // no page below a graft's first row
   Pool& pool = *pools_[tables_[list].pool];
   if (--pool.refs[page] > 0) return;
   if (pool.charged[page]) pool.charged[page]->release(pool.page_bytes());
@@ -195,7 +207,7 @@ Status KvCache::prepare(Sequence& seq, int64_t end) {
                             after, tables_[l].max_pages, P);
     const std::vector<int32_t>& pages = seq.pages_[l];
     for (int64_t i = before / P; i <= (after - 1) / P; ++i) {
-      const bool exists = i < static_cast<int64_t>(pages.size());
+      const bool exists = i < static_cast<int64_t>(pages.size()) && pages[i] >= 0;
       if (exists && pools_[tables_[l].pool]->refs[pages[i]] <= 1) continue;  // private already
       needs.push_back({list, static_cast<size_t>(i), exists});
       ++per_pool[tables_[l].pool];
@@ -222,7 +234,8 @@ Status KvCache::prepare(Sequence& seq, int64_t end) {
       drop_page(n.list, pages[n.index]);
       pages[n.index] = page;
     } else {
-      pages.push_back(page);
+      if (pages.size() <= n.index) pages.resize(n.index + 1, -1);
+      pages[n.index] = page;
     }
     set_page(n.list, seq.slot_, n.index, page);
   }
@@ -230,6 +243,11 @@ Status KvCache::prepare(Sequence& seq, int64_t end) {
 }
 
 Status KvCache::sync() {
+  for (ListTable& t : tables_)
+    if (t.first_row_dirty) {
+      DSV4_TRY(be_.upload(t.first_row, t.first_row_host.data(), t.first_row_host.size() * sizeof(int32_t)));
+      t.first_row_dirty = false;
+    }
   for (ListTable& t : tables_)
     for (size_t s = 0; s < t.dirty.size(); ++s) {
       if (!t.dirty[s]) continue;
@@ -266,13 +284,83 @@ Status KvCache::fork(const Sequence& seq, Sequence& copy) {
   for (size_t l = 0; l < seq.pages_.size(); ++l) {
     copy.pages_[l] = seq.pages_[l];
     for (size_t i = 0; i < copy.pages_[l].size(); ++i) {
-      ++pools_[tables_[l].pool]->refs[copy.pages_[l][i]];
+      if (copy.pages_[l][i] >= 0) ++pools_[tables_[l].pool]->refs[copy.pages_[l][i]];
       set_page(static_cast<int32_t>(l), copy.slot_, i, copy.pages_[l][i]);
     }
+    tables_[l].first_row_host[copy.slot_] = tables_[l].first_row_host[seq.slot_];
+    tables_[l].first_row_dirty = true;
   }
   copy.position_ = seq.position_;
   copy.mtp_position_ = seq.mtp_position_;
   return Status::ok();
+}
+
+Status KvCache::plant(Sequence& seq, const KvGraft& graft) {
+  if (seq.cache_ != this || seq.position_ != 0)
+    return Status::error(StatusCode::kInternal, "cache: a graft is planted in a fresh sequence only");
+  const int64_t F = graft.footprint;
+  if (static_cast<uint64_t>(F) >= seq.plan_.context)
+    return Status::errorf(StatusCode::kOutOfRange, "cache: the graft's footprint of {} tokens fills the sequence's context of {}",
+                          F, seq.plan_.context);
+  // Count the pages first, so a refusal changes nothing.
+  std::vector<int64_t> per_pool(pools_.size(), 0);
+  uint64_t bytes = 0;
+  for (size_t l = 0; l < plan_.lists.size(); ++l) {
+    const KvGraftLayer* gl = graft.find(plan_.lists[l].block);
+    if (!gl) continue;
+    const int64_t P = pools_[tables_[l].pool]->page_rows, top = F / plan_.lists[l].ratio, first = top - gl->slots;
+    const int64_t pages = (top - 1) / P - first / P + 1;
+    per_pool[tables_[l].pool] += pages;
+    bytes += static_cast<uint64_t>(pages) * pools_[tables_[l].pool]->page_bytes();
+  }
+  for (size_t p = 0; p < pools_.size(); ++p)
+    if (per_pool[p] > static_cast<int64_t>(pools_[p]->free.size()))
+      return Status::errorf(StatusCode::kResourceExhausted, "cache: the graft needs {} pages of {}-wide rows, {} free",
+                            per_pool[p], pools_[p]->width, pools_[p]->free.size());
+  if (seq.budget_) DSV4_TRY(seq.budget_->commit(bytes, "KV graft rows"));
+  for (size_t l = 0; l < plan_.lists.size(); ++l) {
+    const int32_t list = static_cast<int32_t>(l);
+    const CacheListPlan& lp = plan_.lists[l];
+    const KvGraftLayer* gl = graft.find(lp.block);
+    const int64_t top = F / lp.ratio, first = top - (gl ? gl->slots : 0);
+    tables_[l].first_row_host[seq.slot_] = static_cast<int32_t>(first);
+    tables_[l].first_row_dirty = true;
+    if (!gl) continue;
+    const Pool& pool = *pools_[tables_[l].pool];
+    const int64_t P = pool.page_rows, width = lp.width;
+    const std::vector<float>& rows = lp.index_keys ? gl->keys : gl->kv;
+    std::vector<int32_t>& pages = seq.pages_[l];
+    pages.assign(static_cast<size_t>((top + P - 1) / P), -1);
+    for (int64_t pi = first / P; pi <= (top - 1) / P; ++pi) {
+      DSV4_ASSIGN_OR_RETURN(int32_t page, take_page(list, seq.budget_));  // cannot fail: counted
+      pages[pi] = page;
+      set_page(list, seq.slot_, static_cast<size_t>(pi), page);
+      const int64_t lo = std::max(first, pi * P), hi = std::min(top, (pi + 1) * P);
+      DSV4_TRY(be_.upload(pool.data.slice(int64_t{page} * P + lo % P, hi - lo), &rows[(lo - first) * width],
+                          static_cast<size_t>((hi - lo) * width) * sizeof(float)));
+    }
+  }
+  seq.position_ = F;
+  seq.mtp_position_ = F;
+  seq.window_start_ = F;
+  return Status::ok();
+}
+
+Result<std::vector<float>> KvCache::read_rows(const Sequence& seq, int32_t list, int64_t begin, int64_t count) {
+  const CacheListPlan& lp = plan_.lists.at(list);
+  const Pool& pool = *pools_[tables_[list].pool];
+  const int64_t P = pool.page_rows, width = lp.width;
+  const std::vector<int32_t>& pages = seq.pages_[list];
+  std::vector<float> out(static_cast<size_t>(count * width));
+  for (int64_t r = begin; r < begin + count;) {
+    const int64_t pi = r / P, end = std::min(begin + count, (pi + 1) * P);
+    if (pi >= static_cast<int64_t>(pages.size()) || pages[pi] < 0)
+      return Status::errorf(StatusCode::kInternal, "cache: row {} of list {} has no page", r, list);
+    DSV4_TRY(be_.download(pool.data.slice(int64_t{pages[pi]} * P + r % P, end - r), &out[(r - begin) * width],
+                          static_cast<size_t>((end - r) * width) * sizeof(float)));
+    r = end;
+  }
+  return out;
 }
 
 namespace {
@@ -310,8 +398,9 @@ Status KvCache::fill_random(Sequence& seq, int64_t position, uint64_t seed) {
     const Pool& pool = *pools_[tables_[l].pool];
     const uint64_t list_key = mix_keys(seed, ++part);
     for (size_t i = 0; i < seq.pages_[l].size(); ++i)
-      DSV4_TRY(fill(pool.data.slice(int64_t{seq.pages_[l][i]} * pool.page_rows, pool.page_rows),
-                    mix_keys(list_key, i)));
+      if (seq.pages_[l][i] >= 0)
+        DSV4_TRY(fill(pool.data.slice(int64_t{seq.pages_[l][i]} * pool.page_rows, pool.page_rows),
+                      mix_keys(list_key, i)));
   }
   seq.position_ = position;
   seq.mtp_position_ = seq.with_mtp_ ? position : 0;
@@ -338,7 +427,8 @@ Result<SlotSnapshot> KvCache::snapshot(const Sequence& seq) {
 }
 
 Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
-  if (snap.position > seq.position_ || snap.rings.size() != rings_.size() || snap.states.size() != states_kv_.size())
+  if (snap.position > seq.position_ || snap.position < seq.window_start_ || snap.rings.size() != rings_.size() ||
+      snap.states.size() != states_kv_.size())
     return Status::errorf("cache restore: snapshot at position {} does not fit a sequence at position {}",
                           snap.position, seq.position_);
   for (size_t r = 0; r < rings_.size(); ++r)

@@ -71,6 +71,13 @@ class KvCache {
   // Releases seq's pages and slot (the destructor of Sequence calls this).
   void detach(Sequence& seq);
 
+  // Plants a graft's rows in a freshly attached seq (position 0): pages for its rows, each
+  // covered list's first row, the position and window start set to the footprint.
+  Status plant(Sequence& seq, const KvGraft& graft);
+
+  // Rows [begin, begin + count) of seq's list `list`, on the host (graft banks, tests).
+  Result<std::vector<float>> read_rows(const Sequence& seq, int32_t list, int64_t begin, int64_t count);
+
   // `copy` gets its own slot with seq's rings and states and shares seq's pages.
   Status fork(const Sequence& seq, Sequence& copy);
   Result<SlotSnapshot> snapshot(const Sequence& seq);
@@ -112,6 +119,9 @@ class KvCache {
     backend::Tensor device;       // I32 [slots, max_pages]
     std::vector<int32_t> host;    // the same, on the host
     std::vector<bool> dirty;      // per slot
+    backend::Tensor first_row;    // I32 [slots]: rows below it do not exist (grafts)
+    std::vector<int32_t> first_row_host;
+    bool first_row_dirty = true;
   };
   std::vector<ListTable> tables_;
   std::vector<std::unique_ptr<Pool>> pools_;

@@ -9,6 +9,7 @@
 #include "gguf/gguf_file.h"
 #include "backend/sampling.h"
 #include "model/forward.h"
+#include "model/kv_graft.h"
 #include "model/model_files.h"
 #include "model/weights.h"
 
@@ -54,7 +55,7 @@ Status validate_spec(const SampleSpec& s, uint32_t vocab, size_t item) {
 
 struct Model::DecodeBucket {
   int64_t rows = 0;
-  Tensor tokens, positions, row_seq, seqs, params, adjust, sampled;
+  Tensor tokens, positions, row_seq, seqs, params, adjust, sampled, steer_alpha;
   bool warmed = false;    // ran once directly (first-use uploads, scratch grown)
   bool recorded = false;  // graph `rows` recorded
 };
@@ -90,12 +91,80 @@ Result<std::unique_ptr<Sequence>> Model::new_sequence(const SequenceOptions& so)
   if (so.memory_budget && plan.total() > so.memory_budget)
     return Status::errorf(StatusCode::kResourceExhausted, "new_sequence: {} exceeds the memory budget of {} bytes",
                           plan.describe(), so.memory_budget);
+  if (so.graft && so.graft->model_identity != c.identity())
+    return Status::errorf("new_sequence: the KV graft was made for another model:\n  graft: {}\n  model: {}",
+                          so.graft->model_identity, c.identity());
   std::unique_ptr<Sequence> seq(new Sequence());
   seq->plan_ = plan;
   seq->budget_ = so.shared_budget;
   seq->with_mtp_ = so.with_mtp;
+  seq->steering_alpha_ = steering_ ? steering_->alpha : 0.0f;
   DSV4_TRY(cache_->attach(*seq));
+  if (so.graft) {
+    DSV4_TRY(cache_->plant(*seq, *so.graft));
+    seq->graft_ = so.graft;
+  }
   return seq;
+}
+
+Status Model::bind_steering(const SteeringFile& file, std::optional<float> alpha, const std::vector<uint32_t>& layers) {
+  Steering st;
+  st.mode = file.mode;
+  st.hook = file.hook;
+  st.alpha = alpha.value_or(file.alpha);
+  if (!std::isfinite(st.alpha)) return Status::errorf("steering: strength {} is not finite", st.alpha);
+  st.directions.resize(config_.n_layers);
+  for (uint32_t l : layers)
+    if (std::none_of(file.directions.begin(), file.directions.end(), [&](const SteeringDirection& d) { return d.layer == l; }))
+      return Status::errorf("steering: layer {} has no direction in the file", l);
+  for (const SteeringDirection& d : file.directions) {
+    if (!layers.empty() && std::find(layers.begin(), layers.end(), d.layer) == layers.end()) continue;
+    if (d.layer >= config_.n_layers) return Status::errorf("steering: layer {} outside the model's {}", d.layer, config_.n_layers);
+    DSV4_TRY(SteeringFile::check_width(file.hook, config_, d.values.size()).with_context(fmt::format("steering: layer {}", d.layer)));
+    std::vector<float> v = d.values;
+    if (st.mode == SteerMode::Project) {
+      // Each group the op steers (a stream's slice, or the one shared direction) as a unit
+      // vector; the norm in double.
+      const size_t g = st.hook == SteerHook::FfnOut || v.size() == config_.hidden ? v.size() : config_.hidden;
+      for (size_t at = 0; at < v.size(); at += g) {
+        double norm = 0;
+        for (size_t i = at; i < at + g; ++i) norm += double(v[i]) * v[i];
+        if (norm == 0) return Status::errorf("steering: layer {} has a zero direction", d.layer);
+        for (size_t i = at; i < at + g; ++i) v[i] = static_cast<float>(double(v[i]) / std::sqrt(norm));
+      }
+    }
+    DSV4_ASSIGN_OR_RETURN(Tensor t, backend_->alloc(GgmlType::F32, std::vector<int64_t>{static_cast<int64_t>(v.size())}));
+    DSV4_TRY(backend_->upload(t, v.data(), v.size() * sizeof(float)));
+    st.directions[d.layer] = t;
+  }
+  steering_ = std::move(st);
+  return Status::ok();
+}
+
+void Model::unbind_steering() { steering_.reset(); }
+
+Result<KvGraft> Model::extract_graft(const Sequence& seq) const {
+  if (seq.cache_ != cache_.get()) return Status::error("graft: the sequence belongs to another model");
+  const int64_t T = seq.position_;
+  if (T == 0 || T % plan_.max_ratio())
+    return Status::errorf("graft: the prompt's {} tokens are not a positive multiple of the largest compress ratio {}", T,
+                          plan_.max_ratio());
+  if (seq.window_start_ != 0) return Status::error("graft: the sequence is itself grafted");
+  KvGraft g;
+  g.model_identity = config_.identity();
+  for (const LayerPlan& l : plan_.layers) {
+    if (l.mtp || !l.ratio) continue;
+    KvGraftLayer gl;
+    gl.block = l.block;
+    gl.slots = T / l.ratio;
+    DSV4_ASSIGN_OR_RETURN(gl.kv, cache_->read_rows(seq, l.kv_list, 0, gl.slots));
+    if (l.key_list >= 0) {
+      DSV4_ASSIGN_OR_RETURN(gl.keys, cache_->read_rows(seq, l.key_list, 0, gl.slots));
+    }
+    g.layers.push_back(std::move(gl));
+  }
+  DSV4_TRY(g.finalize(config_));
+  return g;
 }
 
 Result<std::unique_ptr<Sequence>> Model::fork(const Sequence& seq) const {
@@ -104,7 +173,10 @@ Result<std::unique_ptr<Sequence>> Model::fork(const Sequence& seq) const {
   copy->plan_ = seq.plan_;
   copy->budget_ = seq.budget_;
   copy->with_mtp_ = seq.with_mtp_;
+  copy->steering_alpha_ = seq.steering_alpha_;
   DSV4_TRY(cache_->fork(seq, *copy));
+  copy->window_start_ = seq.window_start_;
+  copy->graft_ = seq.graft_;
   return copy;
 }
 
@@ -137,7 +209,7 @@ Status Model::restore(Sequence& seq, const SequenceSnapshot& snap) const {
 
 Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, ForwardTrace* trace) const {
   if (batch.empty()) return Status::error("forward: empty batch");
-  const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace};
+  const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
   std::vector<StepItem> items;
   std::vector<int32_t> tokens;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -267,6 +339,7 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
     DSV4_ASSIGN_OR_RETURN(b->params, i32({rows, backend::kSampleFields}));
     DSV4_ASSIGN_OR_RETURN(b->adjust, i32({rows * kAdjustPerBucketRow, backend::kAdjustFields}));
     DSV4_ASSIGN_OR_RETURN(b->sampled, i32({rows}));
+    DSV4_ASSIGN_OR_RETURN(b->steer_alpha, be.alloc(GgmlType::F32, std::vector<int64_t>{rows}));
     buckets_[index] = std::move(b);
   }
   DecodeBucket& bucket = *buckets_[index];
@@ -289,6 +362,7 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
     f[backend::kSeqRows] = 1;
     f[backend::kSeqFirstPos] = positions[i];
     f[backend::kSeqSlot] = static_cast<int32_t>(seq.slot());
+    f[backend::kSeqWindowStart] = static_cast<int32_t>(seq.window_start());
     append_sample_spec(*batch[i].sample, static_cast<int32_t>(i), params, adjust);
   }
   const size_t used = adjust.size();
@@ -303,11 +377,15 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
   DSV4_TRY(be.upload(bucket.seqs, seqs.data(), seqs.size() * sizeof(int32_t)));
   DSV4_TRY(be.upload(bucket.params, params.data(), params.size() * sizeof(int32_t)));
   DSV4_TRY(be.upload(bucket.adjust, adjust.data(), adjust.size() * sizeof(int32_t)));
+  std::vector<float> alpha(rows, 0.0f);
+  for (int64_t i = 0; i < n; ++i) alpha[i] = batch[i].sequence->steering_alpha();
+  DSV4_TRY(be.upload(bucket.steer_alpha, alpha.data(), alpha.size() * sizeof(float)));
 
-  const ForwardPass fp{config_, plan_, *weights_, options_, be, *cache_, nullptr};
+  const ForwardPass fp{config_, plan_, *weights_, options_, be, *cache_, nullptr, steering()};
   Step step;
   step.rows = {rows, rows, bucket.tokens, bucket.positions, bucket.row_seq, bucket.seqs,
                static_cast<int64_t>(cache_->max_context())};
+  step.steer_alpha = bucket.steer_alpha;
   const auto compute = [&]() -> Status {
     be.begin_step();
     DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.embed(weights_->token_embd, step));
@@ -342,7 +420,7 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
 Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace) const {
   if (!has_mtp()) return Status::error("mtp: the model has no MTP block");
   if (batch.empty()) return Status::error("mtp: empty batch");
-  const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace};
+  const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
   const uint32_t b = config_.n_layers;  // the (first) MTP block
   const int64_t width = int64_t{config_.hc_mult} * config_.hidden;
   std::vector<StepItem> items;

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,6 +28,8 @@
 #include "model/config.h"
 #include "model/kv_cache.h"
 #include "model/layer_plan.h"
+#include "model/kv_graft.h"
+#include "model/steering.h"
 #include "util/status.h"
 
 namespace dsv4 {
@@ -161,6 +164,27 @@ class Model {
   const ModelPlan& plan() const { return plan_; }
   KvCache& cache() const { return *cache_; }
 
+  // Activation steering (steering.h): binds the file's directions (all, or those of
+  // `layers`), each normalised once in double for project mode, at strength `alpha` (the
+  // file's glp.alpha when absent); sequences created afterwards start with that strength
+  // (Sequence::set_steering_alpha changes one). Replaces an earlier binding; not while a
+  // step runs.
+  Status bind_steering(const SteeringFile& file, std::optional<float> alpha = std::nullopt,
+                       const std::vector<uint32_t>& layers = {});
+  void unbind_steering();
+  struct Steering {
+    SteerMode mode = SteerMode::Project;
+    SteerHook hook = SteerHook::FfnOut;
+    float alpha = 0.0f;
+    std::vector<backend::Tensor> directions;  // per trunk block; empty: not steered
+  };
+  const Steering* steering() const { return steering_ ? &*steering_ : nullptr; }
+
+  // A KV graft bank of seq's own compressed rows (every compressed layer; `dsv4 graft
+  // make`): seq's position must be a multiple of the largest compress ratio, and becomes
+  // the bank's footprint.
+  Result<KvGraft> extract_graft(const Sequence& seq) const;
+
   // Conveniences over forward() for one sequence.
   Result<std::vector<float>> prefill(Sequence& seq, std::span<const int32_t> tokens,
                                      bool all_logits = false) const;
@@ -175,6 +199,7 @@ class Model {
   backend::Backend* backend_ = nullptr;
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<KvCache> cache_;
+  std::optional<Steering> steering_;
   struct DecodeBucket;  // persistent inputs and graph state of one bucket size
   mutable std::vector<std::unique_ptr<DecodeBucket>> buckets_;
   Status decode_step(std::span<const BatchItem> batch, ForwardOutput& out) const;

@@ -18,6 +18,8 @@
 //   router_weights          their weights (renormalised, times the routed scale)    [rows, k]
 //   ffn_out                 MoE output (routed + shared, before mHC post)           [rows, D]
 //   out_streams             the hyper-connection streams after the block            [rows, hc*D]
+//   ffn_out_steered         ffn_out after GLP steering (only where a direction is bound)
+//   out_streams_steered     out_streams after GLP steering (post-layer hook)
 // and "final_streams" [rows, hc*D] after the last trunk block.
 //
 // Rows are the call's rows in batch order; the compressor and indexer quantities are

@@ -62,7 +62,7 @@ class CpuStepOps : public ::testing::Test {
     std::vector<int32_t> pos, row_seq, meta;
     for (size_t s = 0; s < seqs.size(); ++s) {
       meta.insert(meta.end(), {static_cast<int32_t>(pos.size()), static_cast<int32_t>(seqs[s].n),
-                               static_cast<int32_t>(seqs[s].pos0), seqs[s].slot});
+                               static_cast<int32_t>(seqs[s].pos0), seqs[s].slot, 0});
       for (int64_t i = 0; i < seqs[s].n; ++i) {
         pos.push_back(static_cast<int32_t>(seqs[s].pos0 + i));
         row_seq.push_back(static_cast<int32_t>(s));

@@ -64,11 +64,14 @@ inline size_t row_bytes(GgmlType type, int64_t k) { return *ggml_row_bytes(type,
 inline std::vector<uint8_t> random_weights(GgmlType type, int64_t rows, int64_t k, std::mt19937_64& rng) {
   const size_t bytes = row_bytes(type, k) * static_cast<size_t>(rows);
   std::vector<uint8_t> w(bytes);
-  if (type == GgmlType::BF16) {
+  if (type == GgmlType::BF16 || type == GgmlType::F16 || type == GgmlType::F32) {
     std::normal_distribution<float> normal(0.0f, 0.05f);
-    for (size_t i = 0; i < bytes / 2; ++i) {
-      const uint16_t b = f32_to_bf16(normal(rng));
-      std::memcpy(&w[2 * i], &b, 2);
+    const size_t width = type == GgmlType::F32 ? 4 : 2;
+    for (size_t i = 0; i < bytes / width; ++i) {
+      const float v = normal(rng);
+      const uint16_t h = type == GgmlType::BF16 ? f32_to_bf16(v) : f32_to_fp16(v);
+      if (type == GgmlType::F32) std::memcpy(&w[4 * i], &v, 4);
+      else std::memcpy(&w[2 * i], &h, 2);
     }
     return w;
   }
@@ -86,6 +89,7 @@ inline std::vector<uint8_t> random_weights(GgmlType type, int64_t rows, int64_t 
       case GgmlType::Q2_K: put_half(at + 80, scale(rng) * 0.01f); put_half(at + 82, scale(rng) * 0.01f); break;
       case GgmlType::Q3_K: put_half(at + 108, scale(rng) * 0.01f); break;
       case GgmlType::Q4_K: put_half(at, scale(rng) * 0.01f); put_half(at + 2, scale(rng) * 0.01f); break;
+      case GgmlType::Q5_K: put_half(at, scale(rng) * 0.005f); put_half(at + 2, scale(rng) * 0.005f); break;
       case GgmlType::Q6_K: put_half(at + 208, scale(rng) * 0.001f); break;
       case GgmlType::IQ2_XXS: put_half(at, scale(rng) * 0.01f); break;
       case GgmlType::MXFP4: w[at] = static_cast<uint8_t>(118 + rng() % 8); break;
@@ -101,17 +105,20 @@ inline std::vector<float> dequantize(GgmlType type, const uint8_t* rows, int64_t
   return out;
 }
 
-// The activations exactly as quantize_activations_q8 rounds them (d = max|x|/127,
-// q = round-half-even(x/d)), dequantised: the reference the integer kernels should hit
-// to f32 rounding.
+// The activations exactly as the kernels round them (src/backend/cuda/q8_block.cuh:
+// d = max|x|/127, q = round-half-even(x * (127/max|x|))), dequantised: the reference the
+// integer kernels should hit to f32 rounding.
 inline std::vector<float> q8_round_trip(const std::vector<float>& x) {
   std::vector<float> out(x.size());
   for (size_t b = 0; b < x.size(); b += 32) {
     float amax = 0.0f;
     for (size_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b + i]));
     const float d = amax / 127.0f;
-    for (size_t i = 0; i < 32; ++i)
-      out[b + i] = amax > 0.0f ? static_cast<float>(std::nearbyint(x[b + i] / d)) * d : 0.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (size_t i = 0; i < 32; ++i) {
+      volatile float scaled = x[b + i] * inv;  // one f32 product, as on the device
+      out[b + i] = static_cast<float>(std::nearbyint(scaled)) * d;
+    }
   }
   return out;
 }

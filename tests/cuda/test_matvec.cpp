@@ -3,6 +3,7 @@
 #include "backend/cuda/matvec.h"
 
 #include <cstring>
+#include <functional>
 
 #include "cuda_test_util.h"
 #include "support/test_support.h"
@@ -71,7 +72,23 @@ void run_case(GgmlType type, const Case& c, std::mt19937_64& rng) {
   }
 }
 
-class MatvecTest : public ::testing::TestWithParam<GgmlType> {};
+// Every case runs with the default kernels (the one-row kernel, the tensor-core kernels for 2+
+// rows, the BF16 streaming kernel) and again with all of them switched back to the general
+// kernels they replaced (KernelChoice), so both paths stay checked.
+class MatvecTest : public ::testing::TestWithParam<GgmlType> {
+ protected:
+  void TearDown() override { set_kernel_choice(KernelChoice{}); }
+  static void for_each_choice(const std::function<void()>& body) {
+    for (const bool legacy : {false, true}) {
+      SCOPED_TRACE(legacy ? "legacy kernels" : "default kernels");
+      KernelChoice c;
+      if (legacy) c = KernelChoice{false, false, false, false, false};
+      set_kernel_choice(c);
+      body();
+    }
+    set_kernel_choice(KernelChoice{});
+  }
+};
 
 TEST_P(MatvecTest, OddShapesRowsAndUnalignedBatches) {
   const GgmlType type = GetParam();
@@ -81,19 +98,26 @@ TEST_P(MatvecTest, OddShapesRowsAndUnalignedBatches) {
   const int64_t k_odd = block == 256 ? 768 : 224;
   // One activation row (matvec_row_kernel.cuh where the alignment allows): blocks at both
   // 2-byte parities (stride_pad 2), a partial last step per lane (k = 3072: 96 Q8_0 units).
-  for (const Case& c : {Case{37, k_odd, 1, 1, 0}, Case{37, k_odd, 3, 3, 6}, Case{5, k_odd, 2, 16, 2},
-                        Case{130, 2 * k_odd, 1, 7, 0}, Case{33, k_odd, 1, 9, 0}, Case{37, k_odd, 3, 1, 2},
-                        Case{21, 3072, 2, 1, 4}})
-    run_case(type, c, rng);
+  // Stride pads of 2 keep Q2_K / Q4_K off the tensor-core path (4-byte blocks) and BF16 off
+  // the streaming one (16-byte rows): their fallbacks run too.
+  for_each_choice([&] {
+    for (const Case& c : {Case{37, k_odd, 1, 1, 0}, Case{37, k_odd, 3, 3, 6}, Case{5, k_odd, 2, 16, 2},
+                          Case{130, 2 * k_odd, 1, 7, 0}, Case{33, k_odd, 1, 9, 0}, Case{37, k_odd, 3, 1, 2},
+                          Case{21, 3072, 2, 1, 4}, Case{33, k_odd, 2, 12, 16}, Case{19, 3072, 2, 1, 32}})
+      run_case(type, c, rng);
+  });
 }
 
 TEST_P(MatvecTest, V4FlashShape4096To1024) {
   const GgmlType type = GetParam();
   std::mt19937_64 rng(dsv4::test::test_seed() + 1);
   SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
-  run_case(type, Case{1024, 4096, 1, 1, 0}, rng);
-  run_case(type, Case{64, 8192, 1, 2, 0}, rng);
-  run_case(type, Case{64, 8192, 1, 1, 0}, rng);
+  for_each_choice([&] {
+    run_case(type, Case{1024, 4096, 1, 1, 0}, rng);
+    run_case(type, Case{64, 8192, 1, 2, 0}, rng);
+    run_case(type, Case{64, 8192, 1, 1, 0}, rng);
+    run_case(type, Case{96, 8192, 1, 16, 0}, rng);
+  });
 }
 
 TEST(Matvec, RejectsBadArguments) {

@@ -3,6 +3,8 @@
 // the expert-sorted tiled path, with poisoned outputs.
 #include "backend/cuda/moe_experts.h"
 
+#include "backend/cuda/matvec.h"
+
 #include <algorithm>
 #include <numeric>
 
@@ -46,8 +48,18 @@ TEST_P(MoeTest, MatchesCpuReference) {
     return s;
   };
 
-  for (const int64_t tokens : {int64_t{1}, int64_t{2}, int64_t{5}, int64_t{40}}) {
-    SCOPED_TRACE("tokens " + std::to_string(tokens));
+  // Default kernels (fused decode for 1-2 tokens, tensor-core tiles of 8 or 64 pairs beyond:
+  // 5 tokens give 30 pairs over 8 experts, 40 and 96 tokens give 240 and 576) and the earlier
+  // ones (KernelChoice off).
+  struct Run {
+    int64_t tokens;
+    bool legacy;
+  };
+  for (const Run run : {Run{1, false}, Run{2, false}, Run{5, false}, Run{40, false}, Run{96, false}, Run{1, true},
+                        Run{2, true}, Run{5, true}, Run{40, true}}) {
+    const int64_t tokens = run.tokens;
+    SCOPED_TRACE("tokens " + std::to_string(tokens) + (run.legacy ? ", legacy kernels" : ", default kernels"));
+    set_kernel_choice(run.legacy ? KernelChoice{false, false, false, false, false} : KernelChoice{});
     std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(tokens * hidden), rng);
     double rms = 0.0;
     for (int64_t i = 0; i < 32; ++i) rms += std::pow(product(gate_f, 0, i, x.data(), hidden), 2);
@@ -98,11 +110,66 @@ TEST_P(MoeTest, MatchesCpuReference) {
     const auto y = d_y.to_host<float>(want.size());
     EXPECT_LT(relative_error(y, want), kBound);
   }
+  set_kernel_choice(KernelChoice{});
+}
+
+// The decode path at V4-Flash's expert shapes (hidden 4096, ffn 2048: one unit per lane for the
+// 2-3-bit types, four for Q8_0), one token, the recipe's type pairs.
+TEST(MoeDecode, FlashShapes) {
+  std::mt19937_64 rng(dsv4::test::test_seed() + 7);
+  SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
+  const int64_t experts = 7, hidden = 4096, ffn = 2048;
+  const int top_k = 6;
+  for (const TypePair types : {TypePair{GgmlType::Q2_K, GgmlType::Q3_K}, TypePair{GgmlType::Q8_0, GgmlType::Q8_0},
+                               TypePair{GgmlType::MXFP4, GgmlType::MXFP4}}) {
+    SCOPED_TRACE(type_name(types.gate_up) + "/" + type_name(types.down));
+    const auto gate = random_weights(types.gate_up, experts * ffn, hidden, rng);
+    const auto up = random_weights(types.gate_up, experts * ffn, hidden, rng);
+    const auto down = random_weights(types.down, experts * hidden, ffn, rng);
+    DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
+    const ExpertWeights w{types.gate_up, d_gate.get(), d_up.get(), types.down, d_down.get(), experts, hidden, ffn};
+    ASSERT_TRUE(detail::moe_decode_applies(w, 1, top_k));
+    std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(hidden), rng, 0.05f);
+    const std::vector<int32_t> ids = {3, 0, 6, 1, 5, 2};
+    const std::vector<float> weights = {0.4f, 0.3f, 0.2f, 0.25f, 0.2f, 0.15f};
+    std::vector<double> want(static_cast<size_t>(hidden), 0.0);
+    std::vector<float> row(static_cast<size_t>(hidden));
+    std::vector<float> h(static_cast<size_t>(ffn));
+    for (int s = 0; s < top_k; ++s) {
+      const int64_t e = ids[s];
+      for (int64_t i = 0; i < ffn; ++i) {
+        double g = 0.0, u = 0.0;
+        dequantize_row(types.gate_up, gate.data() + (e * ffn + i) * row_bytes(types.gate_up, hidden), row.data(), hidden);
+        for (int64_t j = 0; j < hidden; ++j) g += static_cast<double>(row[j]) * x[j];
+        dequantize_row(types.gate_up, up.data() + (e * ffn + i) * row_bytes(types.gate_up, hidden), row.data(), hidden);
+        for (int64_t j = 0; j < hidden; ++j) u += static_cast<double>(row[j]) * x[j];
+        h[i] = static_cast<float>(weights[s] * silu(std::min<double>(g, kLimit)) * std::clamp<double>(u, -kLimit, kLimit));
+      }
+      std::vector<float> drow(static_cast<size_t>(ffn));
+      for (int64_t i = 0; i < hidden; ++i) {
+        dequantize_row(types.down, down.data() + (e * hidden + i) * row_bytes(types.down, ffn), drow.data(), ffn);
+        double acc = 0.0;
+        for (int64_t j = 0; j < ffn; ++j) acc += static_cast<double>(drow[j]) * h[j];
+        want[i] += acc;
+      }
+    }
+    DeviceBuffer d_x = DeviceBuffer::from(x), d_ids = DeviceBuffer::from(ids), d_w = DeviceBuffer::from(weights);
+    DeviceBuffer d_y(static_cast<size_t>(hidden) * sizeof(float));
+    DeviceBuffer ws(moe_experts_workspace_bytes(w, 1, top_k));
+    ws.poison();
+    d_y.poison();
+    const ExpertRouting routing{d_ids.get<int32_t>(), d_w.get<float>(), 1, top_k};
+    ASSERT_OK(moe_experts(w, d_x.get<float>(), routing, kLimit, d_y.get<float>(), ws.get(), ws.bytes(), nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_LT(relative_error(d_y.to_host<float>(want.size()), want), kBound);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, MoeTest,
                          ::testing::Values(TypePair{GgmlType::IQ2_XXS, GgmlType::Q2_K},
                                            TypePair{GgmlType::Q2_K, GgmlType::Q2_K},
+                                           TypePair{GgmlType::Q2_K, GgmlType::Q3_K},
+                                           TypePair{GgmlType::Q6_K, GgmlType::Q8_0},
                                            TypePair{GgmlType::Q3_K, GgmlType::Q3_K},
                                            TypePair{GgmlType::Q4_K, GgmlType::Q6_K},
                                            TypePair{GgmlType::MXFP4, GgmlType::MXFP4},

@@ -83,7 +83,7 @@ Result<StepView> step_view(const StepRows& rows, const char* op) {
   for (int64_t s = 0; s < v.n_seqs; ++s) {
     const int32_t* f = v.seq(s);
     if (f[kSeqFirstRow] < 0 || f[kSeqRows] < 0 || f[kSeqFirstRow] + f[kSeqRows] > v.n || f[kSeqFirstPos] < 0 ||
-        f[kSeqSlot] < 0)
+        f[kSeqSlot] < 0 || f[kSeqWindowStart] < 0 || f[kSeqWindowStart] > f[kSeqFirstPos])
       return Status::errorf(StatusCode::kInternal, "{}: sequence {}: rows {}+{} of {}, position {}, slot {}", op, s,
                             f[kSeqFirstRow], f[kSeqRows], v.n, f[kSeqFirstPos], f[kSeqSlot]);
   }
@@ -99,9 +99,16 @@ float* paged_row(const PagedRows& p, int32_t slot, int64_t i) {
   return f32_row(p.pool, int64_t{page} * p.page_rows + i % p.page_rows);
 }
 
+// A slot's first existing row of a paged list (0 without a first_row table).
+int64_t first_row(const PagedRows& p, int32_t slot) {
+  return p.first_row.valid() ? static_cast<const int32_t*>(p.first_row.data)[slot] : 0;
+}
+
 Status expect_paged(const PagedRows& p, const char* op, int64_t width) {
   if (!p.pool.valid() || p.pool.type != GgmlType::F32 || p.pool.cols() != width || p.page_rows <= 0 ||
-      !p.page_table.valid() || p.page_table.type != GgmlType::I32)
+      !p.page_table.valid() || p.page_table.type != GgmlType::I32 ||
+      (p.first_row.valid() && (p.first_row.type != GgmlType::I32 || p.first_row.n_elements() < p.page_table.rows() ||
+                               !p.first_row.contiguous())))
     return Status::errorf(StatusCode::kInternal, "{}: paged rows: pool {} ({} rows per page), table {}, expected width {}",
                           op, p.pool.describe(), p.page_rows, p.page_table.describe(), width);
   return Status::ok();
@@ -437,11 +444,11 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
     if (!slot_ok(keys.ring, sq[kSeqSlot]))
       return Status::errorf(StatusCode::kInternal, "attention: row {}: slot {} outside the ring", r, sq[kSeqSlot]);
     if (!keys.ratio) continue;
-    const int64_t visible = (v.positions[r] + 1) / keys.ratio;
-    for (int64_t j = 0; j < (selected ? comp_slots : visible); ++j) {
+    const int64_t visible = (v.positions[r] + 1) / keys.ratio, first = first_row(keys.entries, sq[kSeqSlot]);
+    for (int64_t j = selected ? 0 : first; j < (selected ? comp_slots : visible); ++j) {
       const int64_t e = selected ? i32_row(keys.selected, r)[j] : j;
       if (selected && e == -1) continue;
-      if (e < 0 || e >= visible || !paged_row(keys.entries, sq[kSeqSlot], e))
+      if (e < first || e >= visible || !paged_row(keys.entries, sq[kSeqSlot], e))
         return Status::errorf(StatusCode::kInternal, "attention: row {} (position {}) selects entry {} of {} visible",
                               r, v.positions[r], e, visible);
     }
@@ -461,7 +468,7 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
       const int64_t t = v.positions[r], first_pos = sq[kSeqFirstPos], first_row = sq[kSeqFirstRow];
       const int32_t slot = sq[kSeqSlot];
       key_rows.clear();
-      for (int64_t p = std::max<int64_t>(0, t - win + 1); p <= t; ++p)
+      for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], t - win + 1); p <= t; ++p)
         key_rows.push_back(p >= first_pos ? f32_row(keys.chunk, first_row + (p - first_pos))
                                           : f32_row(keys.ring.data, slot * win + p % win));
       if (keys.ratio) {
@@ -470,7 +477,8 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
             if (const int32_t i = i32_row(keys.selected, r)[j]; i >= 0)
               key_rows.push_back(paged_row(keys.entries, slot, i));
         } else {
-          for (int64_t i = 0; i < (t + 1) / keys.ratio; ++i) key_rows.push_back(paged_row(keys.entries, slot, i));
+          for (int64_t i = backend::first_row(keys.entries, slot); i < (t + 1) / keys.ratio; ++i)
+            key_rows.push_back(paged_row(keys.entries, slot, i));
         }
       }
       logits.resize(key_rows.size());
@@ -583,7 +591,7 @@ Status CpuBackend::indexer_scores(const Tensor& q, const Tensor& w, const PagedR
   for (int64_t r = 0; r < n; ++r) {
     const int32_t* sq = v.seq_of_row(r);
     const int64_t visible = sq ? (v.positions[r] + 1) / ratio : 0;
-    if (visible > n_keys || (visible > 0 && !paged_row(keys, sq[kSeqSlot], visible - 1)))
+    if (visible > n_keys || (visible > (sq ? first_row(keys, sq[kSeqSlot]) : 0) && !paged_row(keys, sq[kSeqSlot], visible - 1)))
       return Status::errorf(StatusCode::kInternal, "indexer_scores: row {} sees {} keys, {} columns or pages missing",
                             r, visible, n_keys);
   }
@@ -591,11 +599,12 @@ Status CpuBackend::indexer_scores(const Tensor& q, const Tensor& w, const PagedR
     for (int64_t r = b; r < e; ++r) {
       const int32_t* sq = v.seq_of_row(r);
       const int64_t visible = sq ? (v.positions[r] + 1) / ratio : 0;
+      const int64_t first = sq ? first_row(keys, sq[kSeqSlot]) : 0;
       float* out = f32_row(scores, r);
       for (int64_t k = 0; k < n_keys; ++k)
-        out[k] = k < visible ? cpu::indexer_score(f32_row(q, r), f32_row(w, r), paged_row(keys, sq[kSeqSlot], k),
-                                                  n_heads, dk)
-                             : kNegInf;
+        out[k] = k < visible && k >= first
+                     ? cpu::indexer_score(f32_row(q, r), f32_row(w, r), paged_row(keys, sq[kSeqSlot], k), n_heads, dk)
+                     : kNegInf;
     }
   });
   return Status::ok();
@@ -612,10 +621,12 @@ Status CpuBackend::top_k(const Tensor& scores, int ratio, const StepRows& rows, 
     std::vector<int32_t> order;
     for (int64_t r = b; r < e; ++r) {
       const int64_t visible = v.seq_of_row(r) ? (v.positions[r] + 1) / ratio : 0;
-      const int64_t m = std::min<int64_t>(visible, scores.cols());
-      order.resize(m);
-      std::iota(order.begin(), order.end(), 0);
+      const int64_t m_all = std::min<int64_t>(visible, scores.cols());
       const float* sc = f32_row(scores, r);
+      order.clear();
+      for (int32_t i = 0; i < m_all; ++i)
+        if (sc[i] != kNegInf) order.push_back(i);  // -inf: an entry that does not exist
+      const int64_t m = static_cast<int64_t>(order.size());
       const int64_t take = std::min<int64_t>(k, m);
       // Highest score first; equal scores keep the lower index (a fixed, documented rule).
       std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int32_t a, int32_t c) {
@@ -767,6 +778,39 @@ Status CpuBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Tens
   for (int64_t s = 0; s < n; ++s) cpu::swiglu(f32_row(g, s), f32_row(u, s), inter, limit, 1.0f, f32_row(g, s));
   DSV4_TRY(matmul(down, g, o, mode));
   return add(o, y);
+}
+
+// ---- steering ---------------------------------------------------------------------------
+
+Status CpuBackend::steer(const Tensor& x, const Tensor& dir, int64_t group, bool project, const Tensor& alpha) {
+  const int64_t n = x.rows(), width = x.cols();
+  DSV4_TRY(expect(x, "steer", "x", GgmlType::F32, -1, -1));
+  DSV4_TRY(expect(alpha, "steer", "alpha", GgmlType::F32, -1, -1));
+  if (dir.type != GgmlType::F32 || !dir.contiguous() || group <= 0 || width % group ||
+      (dir.n_elements() != group && dir.n_elements() != width) || alpha.n_elements() < n || !alpha.contiguous())
+    return Status::errorf("steer: x {} in groups of {} with direction {} and alpha {}", x.describe(), group,
+                          dir.describe(), alpha.describe());
+  const float* d0 = static_cast<const float*>(dir.data);
+  const bool shared = dir.n_elements() == group;
+  const float* a = static_cast<const float*>(alpha.data);
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r) {
+      if (a[r] == 0.0f) continue;
+      for (int64_t at = 0; at < width; at += group) {
+        float* v = f32_row(x, r) + at;
+        const float* d = shared ? d0 : d0 + at;
+        if (project) {
+          double dot = 0;  // in double: what is left along d is then fp32 rounding only
+          for (int64_t i = 0; i < group; ++i) dot += double(v[i]) * d[i];
+          const float c = static_cast<float>(dot) * a[r];
+          for (int64_t i = 0; i < group; ++i) v[i] -= c * d[i];
+        } else {
+          for (int64_t i = 0; i < group; ++i) v[i] += a[r] * d[i];
+        }
+      }
+    }
+  });
+  return Status::ok();
 }
 
 // ---- sampling ---------------------------------------------------------------------------

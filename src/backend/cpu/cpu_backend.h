@@ -79,6 +79,7 @@ class CpuBackend final : public Backend {
   Status swiglu_expert(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down,
                        float limit, MatmulMode mode, const Tensor& y) override;
 
+  Status steer(const Tensor& x, const Tensor& dir, int64_t group, bool project, const Tensor& alpha) override;
   Status sample(const Tensor& logits, const Tensor& params, const Tensor* adjust,
                 const Tensor& out) override;
 

@@ -4,6 +4,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/matvec.h"
+#include "backend/cuda/q8_block.cuh"
 
 namespace dsv4::cuda {
 
@@ -21,11 +22,8 @@ __global__ void quantize_q8_kernel(const float* __restrict__ x, int64_t n_blocks
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x comes from the previous kernel
   if (block >= n_blocks) return;
   const float v = x[block * 32 + lane];
-  float amax = fabsf(v);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-  const float scale = amax / 127.0f;
-  const int iq = amax > 0.0f ? __float2int_rn(v / scale) : 0;
+  float scale;
+  const int iq = detail::q8_quantize_warp(v, scale);
   int sum = iq;
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);  // within each half-warp

@@ -1,6 +1,7 @@
 // Activations quantised for the integer matrix-vector kernels: per 32 consecutive values one
-// f32 scale d = max|x| / 127 and int8 q = round-half-even(x / d), plus per 16 values
-// s16 = d * sum(q) (the sums that carry the K-quant minimums and offsets, quant_units.cuh).
+// f32 scale d = max|x| / 127 and int8 q = round-half-even(x * (127 / max|x|)) (q8_block.cuh),
+// plus per 16 values s16 = d * sum(q) (the sums that carry the K-quant minimums and offsets,
+// quant_units.cuh).
 //
 // Layout: the kernels give lane l of a row's lane group the wide units l, l + L, l + 2L, ...
 // (L lanes per row, W weights per unit). The values are stored interleaved so that those

@@ -117,6 +117,9 @@ class CudaBackend final : public Backend {
   Status swiglu_expert(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down,
                        float limit, MatmulMode mode, const Tensor& y) override;
 
+  // cuda_steer.cu
+  Status steer(const Tensor& x, const Tensor& dir, int64_t group, bool project, const Tensor& alpha) override;
+
   // cuda_sample.cu
   Status sample(const Tensor& logits, const Tensor& params, const Tensor* adjust,
                 const Tensor& out) override;

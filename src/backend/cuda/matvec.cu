@@ -1,12 +1,17 @@
 #include "backend/cuda/matvec.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
 
+#include <mutex>
+#include <sstream>
+
 #include "backend/cuda/activation_quant.h"
 #include "backend/cuda/matvec_launch.cuh"
 #include "backend/cuda/matvec_row_kernel.cuh"
+#include "backend/cuda/mmq.h"
 
 namespace dsv4::cuda {
 
@@ -25,9 +30,10 @@ Status launch_rows(const MatvecArgs& a, int rows, cudaStream_t stream) {
   return detail::launch_matvec<Policy, 16, MatvecMode::kPlain>(a, 1, tasks, stream);
 }
 
-// One activation row of Q8_0, Q2_K or Q3_K: the leaner kernel of matvec_row_kernel.cuh, when
-// the rows' alignment suits it and each lane's activation slice fits in registers (S units per
-// lane; k up to 8192). Returns false when the general kernel has to run instead.
+// One activation row: the leaner kernel of matvec_row_kernel.cuh, when the rows' alignment
+// suits it, its units cover the row and each lane's activation slice fits in registers (S
+// units per lane; k up to 8192 for the K-quants). Returns launched = false when the general
+// kernel has to run instead.
 template <GgmlType T>
 Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launched) {
   using Policy = detail::QuantPolicy<T>;
@@ -35,6 +41,7 @@ Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launche
   constexpr auto kPlain = MatvecMode::kPlain;
   launched = false;
   if (a.matrix_stride % kAlign != 0 || a.row_bytes % kAlign != 0) return Status::ok();
+  if (!detail::row_unit_covers<T>(a.act.k)) return Status::ok();
   const int64_t units = (a.act.k + Policy::kUnitWeights - 1) / Policy::kUnitWeights;
   const int lanes = detail::lanes_per_row(a.act.k, Policy::kUnitWeights);
   const int64_t steps = (units + lanes - 1) / lanes;
@@ -47,8 +54,10 @@ Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launche
   const int64_t pair_rows = T == GgmlType::Q2_K ? 2 * (32 / lanes) : 1;
   if (steps <= 2)
     return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 2>>(a, 1, tasks, stream, pair_rows);
-  if constexpr (T == GgmlType::Q8_0) {
+  if constexpr (T == GgmlType::Q8_0 || T == GgmlType::Q4_K) {
     if (steps <= 4) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 4>>(a, 1, tasks, stream);
+  }
+  if constexpr (T == GgmlType::Q8_0) {
     if (steps <= 8) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 8>>(a, 1, tasks, stream);
   }
   launched = false;
@@ -59,7 +68,44 @@ Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launche
 
 namespace {
 std::atomic<int> g_programmatic_launch{-1};  // -1: not read from the environment yet
+
+std::mutex g_choice_mutex;
+bool g_choice_read = false;
+KernelChoice g_choice;
+
+// DSV4_CUDA_LEGACY: "all" or names separated by commas (KernelChoice).
+KernelChoice choice_from_environment() {
+  KernelChoice c;
+  const char* env = std::getenv("DSV4_CUDA_LEGACY");
+  if (env == nullptr) return c;
+  std::stringstream list(env);
+  std::string name;
+  while (std::getline(list, name, ',')) {
+    const bool all = name == "all";
+    if (all || name == "bf16") c.matvec_bf16 = false;
+    if (all || name == "row") c.matvec_row_extra = false;
+    if (all || name == "mma") c.matvec_mma = false;
+    if (all || name == "moe_decode") c.moe_decode = false;
+    if (all || name == "moe_mma") c.moe_mma = false;
+  }
+  return c;
+}
 }  // namespace
+
+KernelChoice kernel_choice() {
+  std::lock_guard<std::mutex> lock(g_choice_mutex);
+  if (!g_choice_read) {
+    g_choice = choice_from_environment();
+    g_choice_read = true;
+  }
+  return g_choice;
+}
+
+void set_kernel_choice(const KernelChoice& choice) {
+  std::lock_guard<std::mutex> lock(g_choice_mutex);
+  g_choice = choice;
+  g_choice_read = true;
+}
 
 void set_programmatic_launch(bool enabled) { g_programmatic_launch = enabled ? 1 : 0; }
 
@@ -116,16 +162,21 @@ int unit_weights(GgmlType type) {
 
 size_t matvec_workspace_bytes(const MatvecWeights& w, int rows) {
   if (w.type == GgmlType::BF16) return 0;
-  return quantized_activations_bytes(w.batch * rows, w.k, detail::activation_layout(w.type, w.k));
+  const size_t dp4a = quantized_activations_bytes(w.batch * rows, w.k, detail::activation_layout(w.type, w.k));
+  const size_t mma = mma_matmul_supported(w.type) ? mma_matmul_workspace_bytes(w, rows) : 0;
+  return std::max(dp4a, mma);
 }
 
 Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* workspace, size_t workspace_bytes,
               cudaStream_t stream) {
   const std::string name(ggml_type_name(w.type));
   if (!matvec_supported(w.type)) return Status::error("matvec: weight type " + name + " is not supported");
-  if (rows < 1 || rows > kMatvecMaxRows)
-    return Status::error("matvec: " + std::to_string(rows) + " activation rows, supported 1.." +
-                         std::to_string(kMatvecMaxRows));
+  const KernelChoice choice = kernel_choice();
+  const bool mma = rows >= 2 && choice.matvec_mma && mma_matmul_applies(w, rows);
+  if (rows < 1 || (rows > kMatvecMaxRows && !mma))
+    return Status::error("matvec: " + std::to_string(rows) + " activation rows of " + name + ", supported 1.." +
+                         std::to_string(kMatvecMaxRows) + " (up to " + std::to_string(kMmaMaxRows) +
+                         " on the tensor-core path, mma_matmul_applies)");
   const auto& traits = ggml_traits(w.type);
   if (w.n <= 0 || w.k <= 0 || w.batch <= 0 || w.k % traits.block_elems != 0 || w.k % 32 != 0)
     return Status::error("matvec: shape batch " + std::to_string(w.batch) + " x n " + std::to_string(w.n) + " x k " +
@@ -148,9 +199,12 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act.k = w.k;
   a.out = y;
   if (w.type == GgmlType::BF16) {
+    if (choice.matvec_bf16 && detail::bf16_streaming_applies(w) && reinterpret_cast<uintptr_t>(x) % 16 == 0)
+      return detail::matvec_bf16(w, x, rows, y, stream);
     a.act.f = x;
     return launch_rows<detail::Bf16Policy>(a, rows, stream);
   }
+  if (mma) return mma_matmul(w, x, rows, y, workspace, workspace_bytes, stream);
   const QuantizedActivations q =
       quantized_activations_view(workspace, w.batch * rows, w.k, detail::activation_layout(w.type, w.k));
   DSV4_TRY(quantize_activations_q8(x, q, stream));
@@ -165,6 +219,11 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
     if (w.type == GgmlType::Q8_0) DSV4_TRY(launch_row_kernel<GgmlType::Q8_0>(a, stream, launched));
     if (w.type == GgmlType::Q2_K) DSV4_TRY(launch_row_kernel<GgmlType::Q2_K>(a, stream, launched));
     if (w.type == GgmlType::Q3_K) DSV4_TRY(launch_row_kernel<GgmlType::Q3_K>(a, stream, launched));
+    if (choice.matvec_row_extra) {
+      if (w.type == GgmlType::MXFP4) DSV4_TRY(launch_row_kernel<GgmlType::MXFP4>(a, stream, launched));
+      if (w.type == GgmlType::Q4_K) DSV4_TRY(launch_row_kernel<GgmlType::Q4_K>(a, stream, launched));
+      if (w.type == GgmlType::Q6_K) DSV4_TRY(launch_row_kernel<GgmlType::Q6_K>(a, stream, launched));
+    }
     if (launched) return Status::ok();
   }
   switch (w.type) {

@@ -1,7 +1,10 @@
-// Matrix-vector and skinny matrix products (1-16 activation rows) straight from quantised
+// Matrix-vector and skinny matrix products (1-64 activation rows) straight from quantised
 // weights, for decode: y[b][r] = W[b] · x[b][r] for every batch matrix b and row r.
-// Integer types quantise the activations to Q8 (per 32 values, activation_quant.h) and use
-// __dp4a; BF16 weights multiply f32 activations. Design and error bounds: docs/CUDA.md.
+// Integer types quantise the activations to Q8 (per 32 values, activation_quant.h): one row
+// runs __dp4a kernels (matvec_row_kernel.cuh, matvec_kernel.cuh), 2-64 rows the int8
+// tensor-core kernels of mmq.h (the dp4a kernel for 2-16 rows where those do not apply);
+// BF16 weights multiply f32 activations (matvec_bf16.cu, 1-16 rows). Design and error bounds:
+// docs/CUDA.md.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,7 +36,23 @@ struct MatvecWeights {
   int64_t batch_stride_bytes = 0;  // 0: the matrices are contiguous
 };
 
+// Rows every type takes; up to 64 (kMmaMaxRows, mmq.h) where mma_matmul_applies.
 inline constexpr int kMatvecMaxRows = 16;
+
+// Which kernels the products use: the newer ones by default, each of which can be switched
+// back to the path it replaced (for same-run comparisons, and as a way back should one
+// misbehave). Process-wide; set before capturing CUDA graphs (a captured graph keeps the
+// kernels it recorded). The environment variable DSV4_CUDA_LEGACY, read at first use, turns
+// named ones off: a comma-separated list of the names in quotes below, or "all".
+struct KernelChoice {
+  bool matvec_bf16 = true;       // "bf16": BF16 weights through matvec_bf16.cu (else the general kernel)
+  bool matvec_row_extra = true;  // "row": one row of MXFP4, Q4_K, Q6_K through the one-row kernel
+  bool matvec_mma = true;        // "mma": 2-64 rows on the int8 tensor cores (else dp4a, at most 16)
+  bool moe_decode = true;        // "moe_decode": 1-2 tokens through moe_decode.cu's two fused kernels
+  bool moe_mma = true;           // "moe_mma": expert tiles of more tokens on the int8 tensor cores
+};
+KernelChoice kernel_choice();
+void set_kernel_choice(const KernelChoice& choice);
 
 // Programmatic dependent launch for the matvec-family kernels (matvec, moe_experts,
 // activation quantisation): each may start while the previous kernel in its stream finishes,
@@ -42,10 +61,12 @@ inline constexpr int kMatvecMaxRows = 16;
 void set_programmatic_launch(bool enabled);
 bool programmatic_launch();
 
-// Scratch for the quantised activations of batch * rows rows (0 for BF16).
+// Scratch for the quantised activations of batch * rows rows (0 for BF16), enough for whichever
+// kernel kernel_choice() picks.
 size_t matvec_workspace_bytes(const MatvecWeights& w, int rows);
 
-// x: [batch][rows][k] f32, y: [batch][rows][n] f32, device memory; 1 <= rows <= 16.
+// x: [batch][rows][k] f32, y: [batch][rows][n] f32, device memory; 1 <= rows <= 16, or up to
+// 64 where mma_matmul_applies (mmq.h) and kernel_choice().matvec_mma.
 Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* workspace, size_t workspace_bytes,
               cudaStream_t stream);
 

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/activation_quant.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/matvec.h"
 #include "backend/cuda/matvec_kernel.cuh"
 
 namespace dsv4::cuda::detail {
@@ -22,6 +23,11 @@ bool programmatic_launch_enabled();
 
 // Weights per wide unit of a type's kernels (the policies' kUnitWeights; matvec.cu).
 int unit_weights(GgmlType type);
+
+// BF16 products through matvec_bf16.cu: k a multiple of 8 and 16-byte aligned matrices.
+bool bf16_streaming_applies(const MatvecWeights& w);
+// x 16-byte aligned; 1 <= rows <= 16.
+Status matvec_bf16(const MatvecWeights& w, const float* x, int rows, float* y, cudaStream_t stream);
 
 // Lanes that share one row of k values: enough for one unit each, at most a warp.
 inline int lanes_per_row(int64_t k, int unit_weights) {

@@ -226,6 +226,152 @@ struct RowUnit<GgmlType::Q3_K> {
   }
 };
 
+// MXFP4: a wide unit is four 17-byte blocks (128 weights, any byte alignment). Each 32-bit
+// word of a block's codes holds elements 4i..4i+3 (low nibbles) and 16+4i..16+4i+3 (high
+// nibbles); the codes themselves are the byte-permute selectors of a 16-entry table (ggml's
+// doubled E2M1 grid: positive half in two words, negative half in two more; the permute reads
+// three selector bits, and bit 3 picks the half with a second permute). The weights come out
+// in the order 4i, 16+4i, 4i+1, 16+4i+1 | 4i+2, 16+4i+2, ..., so the activations are permuted
+// to that order once per matrix (prepare) instead of the weights once per row.
+template <>
+struct RowUnit<GgmlType::MXFP4> {
+  static constexpr int kSub = 4;
+  static constexpr bool kSums = false;
+  static constexpr int kAlign = 1;
+  using Act = UnitActivations<kSub, kSums>;
+  __device__ static void prepare(Act& x) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const uint32_t v[8] = {static_cast<uint32_t>(x.q[2 * j].x),     static_cast<uint32_t>(x.q[2 * j].y),
+                             static_cast<uint32_t>(x.q[2 * j].z),     static_cast<uint32_t>(x.q[2 * j].w),
+                             static_cast<uint32_t>(x.q[2 * j + 1].x), static_cast<uint32_t>(x.q[2 * j + 1].y),
+                             static_cast<uint32_t>(x.q[2 * j + 1].z), static_cast<uint32_t>(x.q[2 * j + 1].w)};
+      uint32_t p[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        p[2 * i] = __byte_perm(v[i], v[4 + i], 0x5140u);      // x[4i], x[16+4i], x[4i+1], x[16+4i+1]
+        p[2 * i + 1] = __byte_perm(v[i], v[4 + i], 0x7362u);  // x[4i+2], x[16+4i+2], x[4i+3], x[16+4i+3]
+      }
+      x.q[2 * j] = make_int4(static_cast<int>(p[0]), static_cast<int>(p[1]), static_cast<int>(p[2]),
+                             static_cast<int>(p[3]));
+      x.q[2 * j + 1] = make_int4(static_cast<int>(p[4]), static_cast<int>(p[5]), static_cast<int>(p[6]),
+                                 static_cast<int>(p[7]));
+    }
+  }
+  // ggml's MXFP4 scale 2^(e-128) (e8m0_to_f32_half) without a branch on the common path.
+  __device__ static float scale_of(uint32_t e) {
+    return __uint_as_float(e < 2u ? (0x00200000u << e) : ((e - 1u) << 23));
+  }
+  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+    const uint8_t* p = row + 68 * unit;
+    const uint32_t skew = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) & 3);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p - skew);  // stays a shared address
+    uint32_t u[17];  // bytes 4i..4i+3 of the unit
+    {
+      uint32_t v[18];
+#pragma unroll
+      for (int i = 0; i < 18; ++i) v[i] = w[i];
+#pragma unroll
+      for (int i = 0; i < 17; ++i) u[i] = __funnelshift_r(v[i], v[i + 1], 8 * skew);
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const uint32_t e = (u[(17 * b) / 4] >> (8 * ((17 * b) % 4))) & 0xFFu;
+      const int4 xa = x.q[2 * b], xb = x.q[2 * b + 1];
+      const int xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      int sum = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        constexpr int kFirst = 1;  // the codes start after the scale byte
+        const int o = 17 * b + kFirst + 4 * i;
+        const uint32_t codes = (o % 4) == 0 ? u[o / 4] : __funnelshift_r(u[o / 4], u[o / 4 + 1], 8 * (o % 4));
+        const uint32_t hi_codes = codes >> 16;
+        const uint32_t pos0 = __byte_perm(0x03020100u, 0x0C080604u, codes);
+        const uint32_t neg0 = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, codes);
+        const uint32_t pos1 = __byte_perm(0x03020100u, 0x0C080604u, hi_codes);
+        const uint32_t neg1 = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, hi_codes);
+        const uint32_t pick = ((codes >> 1) & 0x44444444u) | 0x32103210u;  // +4 where the sign bit is set
+        sum = __dp4a(static_cast<int>(__byte_perm(pos0, neg0, pick)), xs[2 * i], sum);
+        sum = __dp4a(static_cast<int>(__byte_perm(pos1, neg1, pick >> 16)), xs[2 * i + 1], sum);
+      }
+      acc = fmaf(scale_of(e) * x.d[b], static_cast<float>(sum), acc);
+    }
+    return acc;
+  }
+};
+
+// Q4_K and Q6_K: the general decoders of quant_units.cuh (any byte alignment) with the
+// activations in registers; the per-16 sums d * sum(q) that carry the minimums / offsets are
+// formed once per matrix (prepare), exactly as activation_quant.cu's s16.
+template <GgmlType T>
+struct DecodedRowUnit {
+  using Q = QuantUnit<T>;
+  static constexpr int kSub = Q::kSub;
+  static constexpr bool kSums = true;
+  static constexpr int kAlign = 1;
+  struct Act {
+    int4 q[2 * kSub];
+    float d[kSub];
+    float2 s16[kSub];
+  };
+  __device__ static void prepare(Act& x) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j)
+      x.s16[j] = make_float2(x.d[j] * static_cast<float>(chunk_sum(x.q[2 * j])),
+                             x.d[j] * static_cast<float>(chunk_sum(x.q[2 * j + 1])));
+  }
+  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+    int part;
+    const uint8_t* at = unit_address<Q>(row, unit, part);
+    Unit32 u[kSub];
+    Q::decode(at, part, Iq2Tables{nullptr, nullptr}, u, kSub);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      int lo = __dp4a(u[j].q[0], x.q[2 * j].x, 0);
+      lo = __dp4a(u[j].q[1], x.q[2 * j].y, lo);
+      lo = __dp4a(u[j].q[2], x.q[2 * j].z, lo);
+      lo = __dp4a(u[j].q[3], x.q[2 * j].w, lo);
+      int hi = __dp4a(u[j].q[4], x.q[2 * j + 1].x, 0);
+      hi = __dp4a(u[j].q[5], x.q[2 * j + 1].y, hi);
+      hi = __dp4a(u[j].q[6], x.q[2 * j + 1].z, hi);
+      hi = __dp4a(u[j].q[7], x.q[2 * j + 1].w, hi);
+      sum += x.d[j] * (u[j].a0 * static_cast<float>(lo) + u[j].a1 * static_cast<float>(hi));
+      sum -= u[j].b0 * x.s16[j].x + u[j].b1 * x.s16[j].y;
+    }
+    return sum;
+  }
+};
+template <>
+struct RowUnit<GgmlType::Q4_K> : DecodedRowUnit<GgmlType::Q4_K> {};
+template <>
+struct RowUnit<GgmlType::Q6_K> : DecodedRowUnit<GgmlType::Q6_K> {};
+
+// Whether the one-row units cover a row of k weights of type T exactly (MXFP4's units are four
+// blocks: a row with a partial last unit takes the general kernel).
+template <GgmlType T>
+constexpr bool row_unit_covers(int64_t k) {
+  return k % (32 * RowUnit<T>::kSub) == 0;
+}
+
+// Lane `slot`'s activations for its S units t * L + slot of one quantised row in the layout of
+// activation_quant.h, from global or shared memory (q: the row's values, d: its scales).
+template <class U, int S>
+__device__ __forceinline__ void load_unit_activations(const int8_t* q, const float* d, int lanes, int slot, int units,
+                                                      typename U::Act (&x)[S]) {
+  const int4* q16 = reinterpret_cast<const int4*>(q);
+#pragma unroll
+  for (int t = 0; t < S; ++t) {
+    if (t * lanes + slot >= units) continue;  // past the row (and possibly past the buffer)
+#pragma unroll
+    for (int c = 0; c < 2 * U::kSub; ++c) x[t].q[c] = q16[(t * 2 * U::kSub + c) * lanes + slot];
+#pragma unroll
+    for (int j = 0; j < U::kSub; ++j) x[t].d[j] = d[(t * U::kSub + j) * lanes + slot];
+    U::prepare(x[t]);
+  }
+}
+
 // Lane `slot`'s activations of quantised row `row` for its S units t * L + slot.
 template <GgmlType T, int S>
 __device__ __forceinline__ void load_row_activations(const ActView& act, int64_t row, int slot, int units,

@@ -6,6 +6,8 @@
 #include "backend/cuda/activation_quant.h"
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/matvec_launch.cuh"
+#include "backend/cuda/mmq.h"
+#include "backend/cuda/mmq_launch.cuh"
 
 namespace dsv4::cuda {
 
@@ -23,10 +25,19 @@ struct Layout {
   int64_t max_tiles = 0;
 };
 
+// The quantised activations of `rows` rows of k values for either kernel family (the dp4a
+// kernels' interleaved layout or the tensor cores' row-major one), whichever is larger.
+size_t activation_bytes(GgmlType type, int64_t rows, int64_t k) {
+  if (type == GgmlType::BF16) return 0;
+  return std::max(quantized_activations_bytes(rows, k, detail::activation_layout(type, k)),
+                  quantized_activations_bytes(rows, k, mma_activation_layout()));
+}
+
 Layout layout(const ExpertWeights& w, int64_t tokens, int top_k) {
   Layout l;
   const int64_t pairs = tokens * top_k;
   const bool decode = tokens <= kMoeDecodeMaxTokens;
+  // The tiles of 8 pairs bound the count for the tiles of 64 too.
   l.max_tiles = decode ? 0 : std::min(pairs, pairs / kTileRows + w.n_experts);
   size_t at = 0;
   auto take = [&](size_t bytes) {
@@ -34,13 +45,9 @@ Layout layout(const ExpertWeights& w, int64_t tokens, int top_k) {
     at += align256(bytes);
     return here;
   };
-  l.x_q = take(w.gate_up_type == GgmlType::BF16
-                   ? 0
-                   : quantized_activations_bytes(tokens, w.hidden, detail::activation_layout(w.gate_up_type, w.hidden)));
+  l.x_q = take(activation_bytes(w.gate_up_type, tokens, w.hidden));
   l.h = take(static_cast<size_t>(pairs * w.ffn) * sizeof(float));
-  l.h_q = take(w.down_type == GgmlType::BF16
-                   ? 0
-                   : quantized_activations_bytes(pairs, w.ffn, detail::activation_layout(w.down_type, w.ffn)));
+  l.h_q = take(activation_bytes(w.down_type, pairs, w.ffn));
   l.partial = take(decode ? 0 : static_cast<size_t>(pairs * w.hidden) * sizeof(float));
   l.pairs = take(decode ? 0 : static_cast<size_t>(pairs) * sizeof(int));
   l.tiles = take(decode ? 0 : static_cast<size_t>(3 * l.max_tiles + 1) * sizeof(int));
@@ -163,10 +170,92 @@ void set_activations(MatvecArgs& a, GgmlType type, const float* f, const Quantiz
   }
 }
 
+// Tensor-core tiles for many tokens: both types supported, and 8 or 64 pairs per tile by the
+// mean pairs per expert (a 64-wide tile skips its empty column tiles, but holds shared memory
+// for all of them).
+bool mma_tiles_apply(const ExpertWeights& w) {
+  return mma_matmul_supported(w.gate_up_type) && mma_matmul_supported(w.down_type);
+}
+int mma_tile_columns(const ExpertWeights& w, int64_t pairs) { return pairs <= 4 * w.n_experts ? 8 : 64; }
+
+Status moe_experts_mma(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit,
+                       float* y, uint8_t* ws, const Layout& l, cudaStream_t stream) {
+  const int64_t tokens = routing.tokens, pairs = tokens * routing.top_k;
+  const int tile_cols = mma_tile_columns(w, pairs);
+  const int nt = tile_cols / 8;
+  const int64_t max_tiles = std::min(pairs, pairs / tile_cols + w.n_experts);
+  auto* h = reinterpret_cast<float*>(ws + l.h);
+  auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
+  auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);
+  int* tile_first = tile_expert + max_tiles;
+  int* tile_count = tile_first + max_tiles;
+  int* n_tiles = tile_count + max_tiles;
+  const size_t sort_smem = static_cast<size_t>(3 * w.n_experts) * sizeof(int);
+  build_tiles_kernel<<<1, 1024, sort_smem, stream>>>(routing.ids, static_cast<int>(pairs), static_cast<int>(w.n_experts),
+                                                     tile_cols, sorted_pairs, tile_expert, tile_first, tile_count,
+                                                     n_tiles);
+  DSV4_CUDA_TRY_LAUNCH();
+
+  const QuantizedActivations xq = quantized_activations_view(ws + l.x_q, tokens, w.hidden, mma_activation_layout());
+  DSV4_TRY(quantize_activations_q8(x, xq, stream));
+  const auto& gu = ggml_traits(w.gate_up_type);
+  detail::MmqArgs g;
+  g.w[0] = static_cast<const uint8_t*>(w.gate);
+  g.w[1] = static_cast<const uint8_t*>(w.up);
+  g.row_bytes = w.hidden / gu.block_elems * gu.block_bytes;
+  g.matrix_stride = g.row_bytes * w.ffn;
+  g.n = w.ffn;
+  g.k = w.hidden;
+  g.k_stages = static_cast<int>((w.hidden + detail::kMmqStageK - 1) / detail::kMmqStageK);
+  g.stages_per_split = g.k_stages;
+  g.split = 1;
+  g.row_tiles = (w.ffn + 31) / 32;
+  g.q = xq.q;
+  g.d = xq.d;
+  g.s16 = xq.s16;
+  g.n_tiles = n_tiles;
+  g.tile_expert = tile_expert;
+  g.tile_first = tile_first;
+  g.tile_count = tile_count;
+  g.sorted_pairs = sorted_pairs;
+  g.top_k = routing.top_k;
+  g.pair_weight = routing.weights;
+  g.limit = swiglu_limit;
+  g.out = h;
+  DSV4_TRY(detail::launch_mmq(w.gate_up_type, g, nt, detail::MmqMode::kGateUp, max_tiles, stream));
+
+  const QuantizedActivations hq = quantized_activations_view(ws + l.h_q, pairs, w.ffn, mma_activation_layout());
+  DSV4_TRY(quantize_activations_q8(h, hq, stream));
+  const auto& dt = ggml_traits(w.down_type);
+  detail::MmqArgs d = g;
+  d.w[0] = static_cast<const uint8_t*>(w.down);
+  d.w[1] = nullptr;
+  d.row_bytes = w.ffn / dt.block_elems * dt.block_bytes;
+  d.matrix_stride = d.row_bytes * w.hidden;
+  d.n = w.hidden;
+  d.k = w.ffn;
+  d.k_stages = static_cast<int>((w.ffn + detail::kMmqStageK - 1) / detail::kMmqStageK);
+  d.stages_per_split = d.k_stages;
+  d.row_tiles = (w.hidden + detail::kMmqTileRows - 1) / detail::kMmqTileRows;
+  d.q = hq.q;
+  d.d = hq.d;
+  d.s16 = hq.s16;
+  d.top_k = 1;
+  d.pair_weight = nullptr;
+  auto* partial = reinterpret_cast<float*>(ws + l.partial);
+  d.out = partial;
+  const detail::MmqMode down_mode = nt == 1 ? detail::MmqMode::kPlain : detail::MmqMode::kExpertDown;
+  DSV4_TRY(detail::launch_mmq(w.down_type, d, nt, down_mode, max_tiles, stream));
+  const int64_t n = tokens * w.hidden;
+  sum_slots_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(partial, tokens, routing.top_k, w.hidden, y);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
 }  // namespace
 
 size_t moe_experts_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k) {
-  return layout(w, tokens, top_k).total;
+  return std::max(layout(w, tokens, top_k).total, detail::moe_decode_workspace_bytes(w, tokens, top_k));
 }
 
 Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit,
@@ -183,11 +272,18 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   const int64_t pairs = tokens * routing.top_k;
   if (pairs > (int64_t{1} << 24)) return Status::error("moe_experts: " + std::to_string(pairs) + " pairs, limit 2^24");
   const Layout l = layout(w, tokens, routing.top_k);
-  if (workspace_bytes < l.total)
+  const size_t need = moe_experts_workspace_bytes(w, tokens, routing.top_k);
+  if (workspace_bytes < need)
     return Status::error("moe_experts: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
-                         std::to_string(l.total));
+                         std::to_string(need));
   auto* ws = static_cast<uint8_t*>(workspace);
   const bool decode = tokens <= kMoeDecodeMaxTokens;
+  const KernelChoice choice = kernel_choice();
+  if (decode && choice.moe_decode && detail::moe_decode_applies(w, tokens, routing.top_k) &&
+      reinterpret_cast<uintptr_t>(x) % 16 == 0)
+    return detail::moe_decode(w, x, routing, swiglu_limit, y, workspace, workspace_bytes, stream);
+  if (!decode && choice.moe_mma && mma_tiles_apply(w))
+    return moe_experts_mma(w, x, routing, swiglu_limit, y, ws, l, stream);
   auto* h = reinterpret_cast<float*>(ws + l.h);
   auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
   auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);

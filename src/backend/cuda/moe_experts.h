@@ -3,11 +3,15 @@
 // (h = w_e * silu(min(g, L)) * clamp(u, -L, L), the routing weight applied before the down
 // product as the reference does), then the down products, summed over the top_k experts.
 //
-// One or two tokens (decode): one task per (token, expert) pair, no sort, and the down kernel sums a
-// token's experts inside one warp (no partial outputs). More tokens (prefill, many
-// sequences): pairs are sorted by expert on the device and each expert's rows are read once
-// per tile of up to 8 tokens; partial outputs per pair are then summed in a fixed order, so
-// results do not depend on the sort's order. Uses matvec_kernel.cuh; see docs/CUDA.md.
+// One or two tokens (decode): moe_decode.cu's two kernels (gate/up with the activation and h
+// quantisation fused in; down summing a token's experts in one block, no partial outputs) for
+// Q8_0, Q2_K, Q3_K, Q4_K, Q6_K and MXFP4; the matvec kernels' per-pair path otherwise
+// (KernelChoice::moe_decode = false, or other types). More tokens (prefill, many sequences):
+// pairs are sorted by expert on the device and each expert's rows are read once per tile of
+// tokens: up to 8 or 64 tokens on the int8 tensor cores (mmq_kernel.cuh, the types of
+// mma_matmul_supported), up to 8 through the dp4a kernel otherwise; partial outputs per pair
+// are then summed in a fixed order, so results do not depend on the sort's order. Design and
+// bounds: docs/CUDA.md.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -44,9 +48,18 @@ inline constexpr int64_t kMoeDecodeMaxTokens = 2;
 
 size_t moe_experts_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k);
 
-// x: [tokens][hidden] f32; y: [tokens][hidden] f32 (overwritten). Weight buffers follow
-// MatvecWeights' alignment rule.
+// x: [tokens][hidden] f32 (16-byte aligned); y: [tokens][hidden] f32 (overwritten). Weight
+// buffers follow MatvecWeights' alignment rule.
 Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit,
                    float* y, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+namespace detail {
+// The fused decode path (moe_decode.cu) on its own: 1-2 tokens, top_k <= 8, gate/up and down
+// types among Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4 with whole one-row units per row.
+bool moe_decode_applies(const ExpertWeights& w, int64_t tokens, int top_k);
+size_t moe_decode_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k);
+Status moe_decode(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit, float* y,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
+}  // namespace detail
 
 }  // namespace dsv4::cuda

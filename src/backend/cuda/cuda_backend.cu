@@ -1,0 +1,911 @@
+// The CUDA backend: device, stream and handles; memory (allocations, weight upload through
+// pinned staging, the step arena); the dense and token-wise operations. Routing and experts
+// are in cuda_moe.cu, the attention-side step operations in cuda_attention.cu.
+//
+// Every kernel here computes the CPU backend's function (cpu_backend.cpp, cpu_math.h) in the
+// same fp32 operations where that is cheap: reductions of squares in double (the CPU sums in
+// double too, so the rounded result agrees to the bit in all but near-tie cases), exp, sin and
+// cos in double rounded once to f32, products and sums fused exactly where GCC fuses them on
+// the CPU side (reference_math.cuh, checked by tests/backend/test_cuda_reference_math.cpp).
+// docs/CUDA.md lists the bound each op's test asserts.
+#include "backend/cuda/cuda_backend.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_math.h"
+#include "backend/cuda/cuda_backend_impl.cuh"
+#include "backend/cuda/cuda_ops.cuh"
+#include "backend/cuda/device_info.h"
+#include "backend/cuda/exact_decode.cuh"
+#include "backend/cuda/exact_gemm.h"
+#include "backend/cuda/gemm_prefill.h"
+#include "backend/cuda/matvec.h"
+#include "backend/cuda/mmq.h"
+#include "backend/cuda/attention_ops.h"
+#include "backend/cuda/reference_math.cuh"
+#include "gguf/gguf_file.h"
+#include "util/float_formats.h"
+
+namespace dsv4::cuda::detail {
+Status iq2_tables(const uint64_t** grid, const uint8_t** signs);  // iq2_tables.cu
+}  // namespace dsv4::cuda::detail
+
+namespace dsv4::backend {
+
+using cudaops::Mat;
+namespace ref = cuda::ref;
+
+namespace {
+
+constexpr size_t kAlign = 256;
+constexpr size_t kPinnedMax = size_t{64} << 20;  // staging buffer cap
+constexpr size_t kPinnedMin = size_t{4} << 20;
+constexpr int kMaxHc = cuda::ref::kMaxHc;  // hyper-connection streams the kernels support
+
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Bytes a contiguous tensor of this descriptor spans (the CPU backend's rule).
+size_t tensor_bytes(const Tensor& t) {
+  if (t.rank == 0) return 0;
+  return static_cast<size_t>(t.rank > 1 ? t.shape[0] * t.stride[0] : ggml_row_bytes(t.type, t.shape[0]).value_or(0));
+}
+
+Status cublas_status(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  return Status::error(StatusCode::kInternal, std::string(file) + ":" + std::to_string(line) + ": " + what +
+                                                  " failed: status " + std::to_string(static_cast<int>(s)));
+}
+#define DSV4_CUBLAS_TRY(call) DSV4_TRY(cublas_status((call), #call, __FILE__, __LINE__))
+
+// Frees a device allocation and takes its bytes off the counter it was charged to.
+struct DeviceFree {
+  std::shared_ptr<DeviceCounters> counters;
+  uint64_t bytes = 0;
+  bool weight = false;
+  void operator()(void* p) const {
+    cudaFree(p);
+    (weight ? counters->weights : counters->cache) -= bytes;
+  }
+};
+
+std::string device_error_text(uint32_t bits) {
+  std::string s;
+  const auto add = [&](uint32_t bit, const char* what) {
+    if (bits & bit) s += std::string(s.empty() ? "" : "; ") + what;
+  };
+  add(kDeviceErrorGetRowsId, "get_rows: an id outside the table");
+  add(kDeviceErrorRouteToken, "route: a token id outside the hash table");
+  add(kDeviceErrorRouteExpert, "route: the hash table names an expert outside the layer's experts");
+  add(kDeviceErrorMoeExpert, "moe_experts: an expert id outside the layer's experts");
+  add(kDeviceErrorAttention, "attention: an index outside the cache");
+  return s;
+}
+
+// Sum over a block of blockDim.x (a multiple of 32, at most 1024) threads; every thread gets it.
+__device__ double block_sum(double v) {
+  __shared__ double warp_sums[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += warp_sums[w];
+    warp_sums[0] = total;
+  }
+  __syncthreads();
+  const double total = warp_sums[0];
+  __syncthreads();  // the buffer may be reused by the next call
+  return total;
+}
+
+// ---- memory kernels -------------------------------------------------------------------------
+
+template <class T>
+__global__ void fill_kernel(Mat<T> t, T value) {
+  DSV4_GRID_STRIDE(i, t.rows * t.cols) t.row(i / t.cols)[i % t.cols] = value;
+}
+
+// ---- dense kernels --------------------------------------------------------------------------
+
+template <GgmlType T>
+__global__ void get_rows_kernel(const uint8_t* table, int64_t table_rows, int64_t row_bytes, const int32_t* ids,
+                                int64_t n, Mat<float> y, cuda::exact::Tables tables, uint32_t* errors) {
+  DSV4_GRID_STRIDE(idx, n * y.cols) {
+    const int64_t s = idx / y.cols, i = idx % y.cols;
+    const int32_t id = ids[s];
+    if (id < 0 || id >= table_rows) {
+      if (i == 0) atomicOr(errors, kDeviceErrorGetRowsId);
+      y.row(s)[i] = __int_as_float(0x7FC00000);  // NaN: the row is not a row of the table
+      continue;
+    }
+    y.row(s)[i] = cuda::exact::element<T>(table + id * row_bytes, i, tables);
+  }
+}
+
+// One block per group of `width` values of a row.
+__global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float eps, int64_t width, int64_t groups,
+                                Mat<float> y) {
+  const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
+  const float* xr = x.row(row) + g * width;
+  float* yr = y.row(row) + g * width;
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+  const float r = ref::inverse_rms(block_sum(ss), width, eps);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    const float v = __fmul_rn(xr[i], r);
+    yr[i] = w != nullptr ? __fmul_rn(v, w[i]) : v;
+  }
+}
+
+// One thread per (row, head, pair).
+__global__ void rope_kernel(Mat<float> x, int64_t head_dim, int dims, const int32_t* __restrict__ positions,
+                            const float* __restrict__ omega, bool inverse) {
+  const int half = dims / 2;
+  const int64_t heads = x.cols / head_dim;
+  DSV4_GRID_STRIDE(idx, x.rows * heads * half) {
+    const int64_t s = idx / (heads * half), h = (idx / half) % heads;
+    const int i = static_cast<int>(idx % half);
+    ref::rope_pair(x.row(s) + (h + 1) * head_dim - dims + 2 * i, positions[s], omega[i], inverse);
+  }
+}
+
+__global__ void add_kernel(Mat<float> x, Mat<float> y) {
+  DSV4_GRID_STRIDE(i, x.rows * x.cols) {
+    float* o = y.row(i / x.cols) + i % x.cols;
+    *o = __fadd_rn(*o, x.row(i / x.cols)[i % x.cols]);
+  }
+}
+
+__global__ void scale_kernel(Mat<float> x, float factor) {
+  DSV4_GRID_STRIDE(i, x.rows * x.cols) {
+    float* o = x.row(i / x.cols) + i % x.cols;
+    *o = __fmul_rn(*o, factor);
+  }
+}
+
+// y [rows][k] bf16 (contiguous) from a strided f32 matrix, rounded to nearest even.
+__global__ void f32_to_bf16_rows_kernel(Mat<float> x, __nv_bfloat16* __restrict__ out) {
+  DSV4_GRID_STRIDE(i, x.rows * x.cols) out[i] = __float2bfloat16_rn(x.row(i / x.cols)[i % x.cols]);
+}
+
+// ---- hyper-connections ----------------------------------------------------------------------
+
+// One block per row: the RMS scale of all streams, the split (thread 0), the collapse.
+__global__ void hc_pre_kernel(Mat<float> streams, Mat<float> mixes, const float* __restrict__ scale,
+                              const float* __restrict__ base, int n_hc, int iters, float hc_eps, float norm_eps,
+                              int64_t width, Mat<float> x, Mat<float> post, Mat<float> comb) {
+  __shared__ float pre[kMaxHc];
+  const int64_t s = blockIdx.x;
+  const float* X = streams.row(s);
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
+  const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
+  if (threadIdx.x == 0)
+    ref::hc_split_sinkhorn(mixes.row(s), rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+}
+
+// X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
+__global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, int n_hc, Mat<float> streams) {
+  DSV4_GRID_STRIDE(idx, y.rows * y.cols) {
+    const int64_t s = idx / y.cols, i = idx % y.cols, width = y.cols;
+    float* X = streams.row(s);
+    float old[kMaxHc];
+    for (int j = 0; j < n_hc; ++j) old[j] = X[j * width + i];
+    const float* p = post.row(s);
+    const float* c = comb.row(s);
+    const float a = y.row(s)[i];
+    for (int k = 0; k < n_hc; ++k) X[k * width + i] = ref::hc_expand(p[k], a, c + k, n_hc, old, n_hc);
+  }
+}
+
+__global__ void hc_head_kernel(Mat<float> streams, Mat<float> mixes, const float* __restrict__ scale,
+                               const float* __restrict__ base, int n_hc, float hc_eps, float norm_eps, int64_t width,
+                               Mat<float> x) {
+  __shared__ float w[kMaxHc];
+  const int64_t s = blockIdx.x;
+  const float* X = streams.row(s);
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
+  const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
+  if (threadIdx.x < n_hc) {
+    const int j = threadIdx.x;
+    w[j] = ref::hc_head_weight(mixes.row(s)[j], rho, scale[0], base[j], hc_eps);
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, w, n_hc);
+}
+
+// ---- QAT --------------------------------------------------------------------------------------
+
+// One block per (row, group) in shared memory: cpu::hadamard's butterflies stage by stage.
+__global__ void hadamard_kernel(Mat<float> x, int64_t width, int64_t groups) {
+  extern __shared__ float v[];
+  const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
+  float* p = x.row(row) + g * width;
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) v[i] = p[i];
+  __syncthreads();
+  for (int64_t h = 1; h < width; h *= 2) {
+    for (int64_t t = threadIdx.x; t < width / 2; t += blockDim.x) {
+      const int64_t j = (t / h) * 2 * h + t % h;  // the butterfly (j, j + h) of pair t
+      const float a = v[j], b = v[j + h];
+      v[j] = __fadd_rn(a, b);
+      v[j + h] = __fsub_rn(a, b);
+    }
+    __syncthreads();
+  }
+  const float s = __fdiv_rn(1.0f, __fsqrt_rn(static_cast<float>(width)));
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) p[i] = __fmul_rn(v[i], s);
+}
+
+// cpu::round_fp8_block / round_fp4_block on each block of columns [0, cols); one thread per
+// block.
+__global__ void round_fp8_kernel(Mat<float> x, int64_t cols, int64_t block) {
+  const int64_t per_row = cols / block;
+  DSV4_GRID_STRIDE(idx, x.rows * per_row) ref::round_fp8_block(x.row(idx / per_row) + (idx % per_row) * block, block);
+}
+
+__global__ void round_fp4_kernel(Mat<float> x, int64_t block) {
+  const int64_t per_row = x.cols / block;
+  DSV4_GRID_STRIDE(idx, x.rows * per_row) ref::round_fp4_block(x.row(idx / per_row) + (idx % per_row) * block, block);
+}
+
+bool same_rope(const RopeParams& a, const RopeParams& b) {
+  return a.dims == b.dims && a.freq_base == b.freq_base && a.yarn == b.yarn && a.yarn_factor == b.yarn_factor &&
+         a.yarn_original_context == b.yarn_original_context && a.yarn_beta_fast == b.yarn_beta_fast &&
+         a.yarn_beta_slow == b.yarn_beta_slow;
+}
+
+}  // namespace
+
+// ---- Impl ---------------------------------------------------------------------------------------
+
+CudaBackend::Impl::~Impl() {
+  if (stream) cudaStreamSynchronize(stream);
+  for (auto& [id, exec] : graphs) cudaGraphExecDestroy(exec);
+  for (const Chunk& c : chunks) cudaFree(c.ptr);
+  for (const RopeTable& t : rope_tables) cudaFree(t.omega);
+  for (const Reusable* r : {&bf16_weights, &bf16_activations})
+    if (r->ptr) cudaFree(r->ptr);
+  if (pinned) cudaFreeHost(pinned);
+  if (host_errors) cudaFreeHost(host_errors);
+  if (device_errors) cudaFree(device_errors);
+  for (cudaEvent_t e : half_done)
+    if (e) cudaEventDestroy(e);
+  if (cublas_lt_workspace) cudaFree(cublas_lt_workspace);
+  if (cublas_lt) cublasLtDestroy(cublas_lt);
+  if (cublas) cublasDestroy(cublas);
+  if (stream) cudaStreamDestroy(stream);
+}
+
+Result<void*> CudaBackend::Impl::scratch_bytes(size_t bytes) {
+  const size_t need = align_up(std::max<size_t>(bytes, 1), kAlign);
+  // The current chunk, else the next one that holds it, else a new one.
+  while (chunk < chunks.size() && chunk_used + need > chunks[chunk].bytes) {
+    ++chunk;
+    chunk_used = 0;
+  }
+  if (chunk == chunks.size()) {
+    const size_t size = std::max(need, options.scratch_bytes);
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, size);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error state of a failed allocation
+      return Status::errorf(StatusCode::kResourceExhausted,
+                            "cuda scratch: cannot allocate a chunk of {} bytes ({} in {} chunks already): {}", size,
+                            scratch_total, chunks.size(), cudaGetErrorString(err));
+    }
+    chunks.push_back({p, size});
+    scratch_total += size;
+    chunk_used = 0;
+  }
+  void* p = static_cast<uint8_t*>(chunks[chunk].ptr) + chunk_used;
+  chunk_used += need;
+  return p;
+}
+
+Result<void*> CudaBackend::Impl::reusable(Reusable& r, size_t bytes) {
+  if (r.bytes >= bytes && r.ptr != nullptr) return r.ptr;
+  DSV4_CUDA_TRY(cudaStreamSynchronize(stream));  // nothing queued may still use the old buffer
+  if (r.ptr) DSV4_CUDA_TRY(cudaFree(r.ptr));
+  r.ptr = nullptr;
+  r.bytes = 0;
+  const size_t size = align_up(bytes, size_t{1} << 20);
+  const cudaError_t err = cudaMalloc(&r.ptr, size);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    r.ptr = nullptr;
+    return Status::errorf(StatusCode::kResourceExhausted, "cuda: cannot allocate a work buffer of {} bytes: {}", size,
+                          cudaGetErrorString(err));
+  }
+  r.bytes = size;
+  return r.ptr;
+}
+
+Status CudaBackend::Impl::stage_upload(void* device, const void* host, size_t bytes) {
+  if (bytes == 0) return Status::ok();
+  const size_t want = std::min(kPinnedMax, std::max(kPinnedMin, align_up(2 * bytes, kAlign)));
+  if (pinned_bytes < want) {  // grow: nothing may still read the old buffer
+    DSV4_CUDA_TRY(cudaStreamSynchronize(stream));
+    if (pinned) DSV4_CUDA_TRY(cudaFreeHost(pinned));
+    pinned = nullptr;
+    pinned_bytes = 0;
+    DSV4_CUDA_TRY(cudaMallocHost(&pinned, want));
+    pinned_bytes = want;
+    pinned_used = 0;
+  }
+  const size_t piece_max = pinned_bytes / 2;
+  for (size_t done = 0; done < bytes;) {
+    const size_t piece = std::min(bytes - done, piece_max);
+    if (pinned_used + piece > pinned_bytes) {  // the ring is full: wait for its copies
+      DSV4_CUDA_TRY(cudaStreamSynchronize(stream));
+      pinned_used = 0;
+    }
+    uint8_t* at = static_cast<uint8_t*>(pinned) + pinned_used;
+    std::memcpy(at, static_cast<const uint8_t*>(host) + done, piece);
+    DSV4_CUDA_TRY(cudaMemcpyAsync(static_cast<uint8_t*>(device) + done, at, piece, cudaMemcpyHostToDevice, stream));
+    pinned_used += align_up(piece, kAlign);
+    done += piece;
+  }
+  return Status::ok();
+}
+
+Result<const float*> CudaBackend::Impl::rope_omega(const RopeParams& p) {
+  for (const RopeTable& t : rope_tables)
+    if (same_rope(t.params, p)) return static_cast<const float*>(t.omega);
+  const std::vector<float> omega = cpu::rope_frequencies(p);
+  void* d = nullptr;
+  DSV4_CUDA_TRY(cudaMalloc(&d, std::max<size_t>(omega.size(), 1) * sizeof(float)));
+  rope_tables.push_back({p, static_cast<float*>(d)});
+  // On the backend's stream (a non-blocking stream does not wait for the legacy one); a
+  // pageable source is staged before the call returns.
+  DSV4_CUDA_TRY(cudaMemcpyAsync(d, omega.data(), omega.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  return static_cast<const float*>(d);
+}
+
+// ---- lifetime ---------------------------------------------------------------------------------------
+
+CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaBackend::~CudaBackend() = default;
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOptions& options) {
+  DSV4_ASSIGN_OR_RETURN(const cuda::DeviceInfo info, cuda::query_device(options.device));
+  if (info.compute_capability != 90)
+    return Status::errorf(StatusCode::kInternal,
+                          "CUDA device {} ({}) has compute capability {}.{}; this build targets sm_90a (Hopper) only",
+                          options.device, info.name, info.compute_capability / 10, info.compute_capability % 10);
+  auto impl = std::make_unique<Impl>();
+  Impl& m = *impl;
+  m.options = options;
+  m.device = options.device;
+  m.sms = info.sm_count;
+  DSV4_CUDA_TRY(cudaSetDevice(options.device));
+  DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  DSV4_CUBLAS_TRY(cublasCreate(&m.cublas));
+  DSV4_CUBLAS_TRY(cublasSetStream(m.cublas, m.stream));
+  DSV4_CUBLAS_TRY(cublasSetMathMode(m.cublas, CUBLAS_PEDANTIC_MATH));  // no TF32
+  DSV4_CUBLAS_TRY(cublasLtCreate(&m.cublas_lt));
+  DSV4_CUDA_TRY(cudaMalloc(&m.cublas_lt_workspace, cuda::kCublasLtWorkspaceBytes));
+  DSV4_CUDA_TRY(cudaMalloc(&m.device_errors, sizeof(uint32_t)));
+  DSV4_CUDA_TRY(cudaMemset(m.device_errors, 0, sizeof(uint32_t)));
+  DSV4_CUDA_TRY(cudaMallocHost(&m.host_errors, sizeof(uint32_t)));
+  *m.host_errors = 0;
+  for (cudaEvent_t& e : m.half_done) DSV4_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  DSV4_TRY(cuda::detail::iq2_tables(&m.iq2_grid, &m.iq2_signs));
+  DSV4_TRY(cuda::prepare_matvec_tables());
+  DSV4_TRY(cuda::prepare_attention_kernels());  // no function attributes set inside a graph capture
+  const char* env = std::getenv("DSV4_POISON_SCRATCH");
+  m.poison_scratch = env != nullptr && env[0] == '1';
+  if (options.scratch_bytes > 0) {  // the first chunk now, so the first step does not allocate
+    DSV4_ASSIGN_OR_RETURN(void* first, m.scratch_bytes(options.scratch_bytes));
+    (void)first;
+    m.chunk_used = 0;
+  }
+  // The tables and the error word were written through the legacy stream, which the backend's
+  // non-blocking stream does not wait for.
+  DSV4_CUDA_TRY(cudaDeviceSynchronize());
+  return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
+}
+
+cudaStream_t CudaBackend::stream() const { return impl_->stream; }
+
+DeviceMemory CudaBackend::memory() const {
+  DeviceMemory m;
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) cudaGetLastError();
+  m.free_bytes = free_bytes;
+  m.total_bytes = total_bytes;
+  m.weights_bytes = impl_->counters->weights.load();
+  m.cache_bytes = impl_->counters->cache.load();
+  m.scratch_bytes = impl_->scratch_total;
+  return m;
+}
+
+Status CudaBackend::synchronize() {
+  DSV4_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  return Status::ok();
+}
+
+// ---- memory -----------------------------------------------------------------------------------------
+
+namespace {
+
+Result<Tensor> device_tensor(CudaBackend* self, CudaBackend::Impl& m, GgmlType type, std::span<const int64_t> shape,
+                             bool weight, const char* what) {
+  Tensor t = make_descriptor(type, shape);
+  const size_t n = tensor_bytes(t);
+  if (shape.empty() || n == 0) return Status::errorf("cuda {}: empty shape {}", what, t.describe());
+  for (int64_t d : shape)
+    if (d <= 0) return Status::errorf("cuda {}: shape {} has a dimension below 1", what, t.describe());
+  // Whole 256-byte units: the matvec kernels read 16-byte chunks up to the next boundary.
+  const size_t size = align_up(n, kAlign);
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, size);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::errorf(StatusCode::kResourceExhausted, "cuda {}: cannot allocate {} bytes for {}: {}", what, size,
+                          t.describe(), cudaGetErrorString(err));
+  }
+  (weight ? m.counters->weights : m.counters->cache) += size;
+  t.owner = std::shared_ptr<void>(p, DeviceFree{m.counters, size, weight});
+  t.data = p;
+  t.backend = self;
+  return t;
+}
+
+}  // namespace
+
+Result<Tensor> CudaBackend::alloc(GgmlType type, std::span<const int64_t> shape) {
+  DSV4_ASSIGN_OR_RETURN(Tensor t, device_tensor(this, *impl_, type, shape, false, "alloc"));
+  DSV4_CUDA_TRY(cudaMemsetAsync(t.data, 0, align_up(tensor_bytes(t), kAlign), impl_->stream));
+  return t;
+}
+
+// A GPU commits memory at allocation: a reservation is an allocation.
+Result<Tensor> CudaBackend::reserve(GgmlType type, std::span<const int64_t> shape) { return alloc(type, shape); }
+
+Result<Tensor> CudaBackend::weight(const gguf::TensorInfo& info) {
+  if (info.ne.empty() || info.ne.size() > 4)
+    return Status::errorf("tensor {}: rank {} unsupported", info.name, info.ne.size());
+  std::vector<int64_t> shape(info.ne.rbegin(), info.ne.rend());
+  DSV4_ASSIGN_OR_RETURN(Tensor t, device_tensor(this, *impl_, info.type, shape, true, "weight"));
+  const size_t n = tensor_bytes(t);
+  if (info.nbytes != n || info.data == nullptr)
+    return Status::errorf("tensor {}: {} bytes of data for {} ({} expected)", info.name, info.nbytes, t.describe(), n);
+  Impl& m = *impl_;
+  const size_t size = align_up(n, kAlign);
+  if (size > n) DSV4_CUDA_TRY(cudaMemsetAsync(static_cast<uint8_t*>(t.data) + n, 0, size - n, m.stream));
+  // The staging buffer's two halves in turn: the host fills one while the other is copied.
+  DSV4_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  m.pinned_used = 0;
+  if (m.pinned_bytes < kPinnedMax) {
+    if (m.pinned) DSV4_CUDA_TRY(cudaFreeHost(m.pinned));
+    m.pinned = nullptr;
+    m.pinned_bytes = 0;
+    DSV4_CUDA_TRY(cudaMallocHost(&m.pinned, kPinnedMax));
+    m.pinned_bytes = kPinnedMax;
+  }
+  const size_t half = m.pinned_bytes / 2;
+  bool used[2] = {false, false};
+  int which = 0;
+  for (size_t done = 0; done < n; which ^= 1) {
+    const size_t piece = std::min(half, n - done);
+    if (used[which]) DSV4_CUDA_TRY(cudaEventSynchronize(m.half_done[which]));
+    uint8_t* at = static_cast<uint8_t*>(m.pinned) + which * half;
+    std::memcpy(at, info.data + done, piece);
+    DSV4_CUDA_TRY(cudaMemcpyAsync(static_cast<uint8_t*>(t.data) + done, at, piece, cudaMemcpyHostToDevice, m.stream));
+    DSV4_CUDA_TRY(cudaEventRecord(m.half_done[which], m.stream));
+    used[which] = true;
+    done += piece;
+    if (m.options.on_upload_progress) m.options.on_upload_progress(done, n);
+  }
+  DSV4_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  return t;
+}
+
+Status CudaBackend::upload(const Tensor& dst, const void* host, size_t bytes) {
+  if (!dst.valid() || dst.backend != this || !dst.contiguous())
+    return Status::errorf("cuda upload: {} is not a contiguous tensor of this backend", dst.describe());
+  if (bytes > tensor_bytes(dst))
+    return Status::errorf("cuda upload: {} bytes into {} ({} bytes)", bytes, dst.describe(), tensor_bytes(dst));
+  return impl_->stage_upload(dst.data, host, bytes);
+}
+
+Status CudaBackend::download(const Tensor& src, void* host, size_t bytes) {
+  if (!src.valid() || src.backend != this || !src.contiguous())
+    return Status::errorf("cuda download: {} is not a contiguous tensor of this backend", src.describe());
+  if (bytes > tensor_bytes(src))
+    return Status::errorf("cuda download: {} bytes from {} ({} bytes)", bytes, src.describe(), tensor_bytes(src));
+  Impl& m = *impl_;
+  if (bytes > 0) DSV4_CUDA_TRY(cudaMemcpyAsync(host, src.data, bytes, cudaMemcpyDeviceToHost, m.stream));
+  DSV4_CUDA_TRY(cudaMemcpyAsync(m.host_errors, m.device_errors, sizeof(uint32_t), cudaMemcpyDeviceToHost, m.stream));
+  DSV4_CUDA_TRY(cudaMemsetAsync(m.device_errors, 0, sizeof(uint32_t), m.stream));
+  DSV4_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  m.pinned_used = 0;
+  if (*m.host_errors != 0) {
+    const uint32_t bits = *m.host_errors;
+    *m.host_errors = 0;
+    return Status::errorf(StatusCode::kInternal, "cuda: found on the device since the last download: {}",
+                          device_error_text(bits));
+  }
+  return Status::ok();
+}
+
+Status CudaBackend::copy_rows(const Tensor& src, const Tensor& dst) {
+  if (!src.valid() || !dst.valid() || src.backend != this || dst.backend != this || src.type != dst.type ||
+      src.cols() != dst.cols() || dst.rows() < src.rows())
+    return Status::errorf("cuda copy_rows: {} into {}", src.describe(), dst.describe());
+  const auto row_bytes = ggml_row_bytes(src.type, static_cast<uint64_t>(src.cols()));
+  if (!row_bytes) return Status::errorf("cuda copy_rows: rows of {} are not whole blocks", src.describe());
+  const int64_t rows = src.rows();
+  if (rows == 0) return Status::ok();
+  const auto pitch = [&](const Tensor& t) { return t.rank >= 2 ? static_cast<size_t>(t.row_stride()) : *row_bytes; };
+  if ((rows > 1 && (pitch(src) < *row_bytes || pitch(dst) < *row_bytes)))
+    return Status::errorf("cuda copy_rows: rows of {} overlap", pitch(src) < *row_bytes ? src.describe() : dst.describe());
+  DSV4_CUDA_TRY(cudaMemcpy2DAsync(dst.data, pitch(dst), src.data, pitch(src), *row_bytes, static_cast<size_t>(rows),
+                                  cudaMemcpyDeviceToDevice, impl_->stream));
+  return Status::ok();
+}
+
+Status CudaBackend::fill(const Tensor& t, float value) {
+  if (t.type == GgmlType::F32) {
+    DSV4_ASSIGN_OR_RETURN(const Mat<float> v, cudaops::f32(t, this, "fill", "t", -1, -1));
+    fill_kernel<float><<<cudaops::grid_for(v.rows * v.cols), 256, 0, impl_->stream>>>(v, value);
+  } else if (t.type == GgmlType::I32) {
+    DSV4_ASSIGN_OR_RETURN(const Mat<int32_t> v, cudaops::i32(t, this, "fill", "t", -1, -1));
+    fill_kernel<int32_t><<<cudaops::grid_for(v.rows * v.cols), 256, 0, impl_->stream>>>(v, static_cast<int32_t>(value));
+  } else {
+    return Status::errorf("cuda fill: {} is neither f32 nor i32", t.describe());
+  }
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+void CudaBackend::begin_step() {
+  Impl& m = *impl_;
+  if (m.chunks.size() > 1) {  // one chunk of the total from now on
+    if (cudaStreamSynchronize(m.stream) != cudaSuccess) cudaGetLastError();
+    for (const Impl::Chunk& c : m.chunks) cudaFree(c.ptr);
+    m.chunks.clear();
+    void* p = nullptr;
+    if (cudaMalloc(&p, m.scratch_total) == cudaSuccess) {
+      m.chunks.push_back({p, m.scratch_total});
+    } else {
+      cudaGetLastError();  // scratch() allocates again and reports what fails
+      m.scratch_total = 0;
+    }
+  }
+  m.chunk = 0;
+  m.chunk_used = 0;
+}
+
+Backend::ScratchMark CudaBackend::scratch_mark() const { return {impl_->chunk, impl_->chunk_used}; }
+
+void CudaBackend::scratch_release(ScratchMark mark) {
+  impl_->chunk = mark.chunk;
+  impl_->chunk_used = mark.offset;
+}
+
+Result<Tensor> CudaBackend::scratch(GgmlType type, std::span<const int64_t> shape) {
+  Tensor t = make_descriptor(type, shape);
+  const size_t n = tensor_bytes(t);
+  if (shape.empty() || n == 0) return Status::errorf("cuda scratch: empty shape {}", t.describe());
+  DSV4_ASSIGN_OR_RETURN(t.data, impl_->scratch_bytes(n));
+  t.backend = this;
+  if (impl_->poison_scratch)  // 0xFF bytes are a NaN in f32
+    DSV4_CUDA_TRY(cudaMemsetAsync(t.data, type == GgmlType::F32 ? 0xFF : 0xA5, n, impl_->stream));
+  return t;
+}
+
+// ---- dense operations -------------------------------------------------------------------------------
+
+namespace {
+
+// Raw device bytes `bytes` long at `p` as a 16-byte aligned buffer readable 16 bytes past its
+// end: `p` itself when it is, else a scratch copy.
+Result<const void*> aligned_bytes(CudaBackend::Impl& m, const void* p, size_t bytes, size_t align) {
+  if (reinterpret_cast<uintptr_t>(p) % align == 0) return p;
+  DSV4_ASSIGN_OR_RETURN(void* copy, m.scratch_bytes(bytes + 16));
+  DSV4_CUDA_TRY(cudaMemcpyAsync(copy, p, bytes, cudaMemcpyDeviceToDevice, m.stream));
+  return static_cast<const void*>(copy);
+}
+
+Status copy_matrix(CudaBackend::Impl& m, float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows,
+                   int64_t cols) {
+  DSV4_CUDA_TRY(cudaMemcpy2DAsync(dst, static_cast<size_t>(ld_dst) * 4, src, static_cast<size_t>(ld_src) * 4,
+                                  static_cast<size_t>(cols) * 4, static_cast<size_t>(rows), cudaMemcpyDeviceToDevice,
+                                  m.stream));
+  return Status::ok();
+}
+
+struct WeightMatrix {
+  GgmlType type;
+  const uint8_t* data;
+  int64_t n, k, row_bytes;
+};
+
+Status exact_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y) {
+  cuda::ExactWeights ew;
+  ew.type = w.type;
+  ew.data = w.data;
+  ew.n = w.n;
+  ew.k = w.k;
+  ew.row_bytes = w.row_bytes;
+  ew.tables = {m.iq2_grid, m.iq2_signs};
+  return cuda::exact_matmul(ew, x.p, x.ld, x.rows, y.p, y.ld, m.stream);
+}
+
+// 1-16 rows: the integer matvec kernels on contiguous activations and outputs.
+Status matvec_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y) {
+  const int64_t rows = x.rows, n = w.n, k = w.k;
+  DSV4_ASSIGN_OR_RETURN(const void* wd, aligned_bytes(m, w.data, static_cast<size_t>(n * w.row_bytes), 16));
+  const float* xp = x.p;
+  if (x.ld != k || reinterpret_cast<uintptr_t>(x.p) % 16 != 0) {
+    DSV4_ASSIGN_OR_RETURN(void* tmp, m.scratch_bytes(static_cast<size_t>(rows * k) * 4));
+    DSV4_TRY(copy_matrix(m, static_cast<float*>(tmp), k, x.p, x.ld, rows, k));
+    xp = static_cast<const float*>(tmp);
+  }
+  float* yp = y.p;
+  const bool copy_out = y.ld != n;
+  if (copy_out) {
+    DSV4_ASSIGN_OR_RETURN(void* tmp, m.scratch_bytes(static_cast<size_t>(rows * n) * 4));
+    yp = static_cast<float*>(tmp);
+  }
+  const cuda::MatvecWeights mw{w.type, wd, n, k, 1, 0};
+  const size_t ws_bytes = cuda::matvec_workspace_bytes(mw, static_cast<int>(rows));
+  void* ws = nullptr;
+  if (ws_bytes) {
+    DSV4_ASSIGN_OR_RETURN(ws, m.scratch_bytes(ws_bytes));
+  }
+  DSV4_TRY(cuda::matvec(mw, xp, static_cast<int>(rows), yp, ws, ws_bytes, m.stream));
+  if (copy_out) DSV4_TRY(copy_matrix(m, y.p, y.ld, yp, n, rows, n));
+  return Status::ok();
+}
+
+// More rows: BF16 weights (dequantised per chunk of output rows) times BF16 activations on
+// cuBLASLt, f32 out; chunks of at most 256 MB of BF16 weights, rows padded to 8. The BF16
+// copies live in the backend's reusable buffers; the product goes straight into y when y is
+// a contiguous [rows, n] with n a multiple of 8 and one chunk covers it.
+Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y) {
+  const int64_t rows = x.rows, n = w.n, k = w.k;
+  DSV4_ASSIGN_OR_RETURN(void* a_raw, m.reusable(m.bf16_activations, static_cast<size_t>(rows * k) * sizeof(__nv_bfloat16)));
+  auto* a = static_cast<__nv_bfloat16*>(a_raw);
+  f32_to_bf16_rows_kernel<<<cudaops::grid_for(rows * k), 256, 0, m.stream>>>(x, a);
+  DSV4_CUDA_TRY_LAUNCH();
+  const int64_t by_bytes = std::max<int64_t>(64, ((int64_t{256} << 20) / (k * 2)) / 64 * 64);
+  const int64_t chunk = std::min(by_bytes, (n + 7) / 8 * 8);
+  const bool direct = chunk >= n && n % 8 == 0 && y.ld == n && reinterpret_cast<uintptr_t>(y.p) % kAlign == 0;
+  DSV4_ASSIGN_OR_RETURN(void* wb_raw, m.reusable(m.bf16_weights, static_cast<size_t>(chunk * k) * sizeof(__nv_bfloat16)));
+  float* c = y.p;
+  if (!direct) {
+    DSV4_ASSIGN_OR_RETURN(void* c_raw, m.scratch_bytes(static_cast<size_t>(rows * chunk) * sizeof(float)));
+    c = static_cast<float*>(c_raw);
+  }
+  auto* wb = static_cast<__nv_bfloat16*>(wb_raw);
+  for (int64_t o0 = 0; o0 < n; o0 += chunk) {
+    const int64_t nc = std::min(chunk, n - o0), padded = (nc + 7) / 8 * 8;
+    const uint8_t* src = w.data + o0 * w.row_bytes;
+    const size_t src_bytes = static_cast<size_t>(nc * w.row_bytes);
+    const __nv_bfloat16* wt = wb;
+    if (w.type == GgmlType::BF16) {
+      if (padded == nc && reinterpret_cast<uintptr_t>(src) % kAlign == 0)
+        wt = reinterpret_cast<const __nv_bfloat16*>(src);
+      else
+        DSV4_CUDA_TRY(cudaMemcpyAsync(wb, src, src_bytes, cudaMemcpyDeviceToDevice, m.stream));
+    } else {
+      DSV4_ASSIGN_OR_RETURN(const void* s, aligned_bytes(m, src, src_bytes, 4));
+      DSV4_TRY(cuda::dequantize_to_bf16(w.type, s, nc, k, wb, m.stream));
+    }
+    if (padded > nc && wt == wb)
+      DSV4_CUDA_TRY(cudaMemsetAsync(wb + nc * k, 0, static_cast<size_t>((padded - nc) * k) * sizeof(__nv_bfloat16),
+                                    m.stream));
+    DSV4_TRY(cuda::gemm_bf16(m.cublas_lt, a, wt, c, rows, padded, k, m.cublas_lt_workspace,
+                             cuda::kCublasLtWorkspaceBytes, m.stream));
+    if (!direct) DSV4_TRY(copy_matrix(m, y.p + o0, y.ld, c, padded, rows, nc));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) {
+  if (!w.valid() || w.backend != this || w.rank != 2)
+    return Status::errorf("matmul: weights {} are not a matrix of this backend", w.describe());
+  const int64_t n_in = w.cols(), n_out = w.rows();
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "matmul", "x", -1, n_in));
+  DSV4_ASSIGN_OR_RETURN(Mat<float> yv, cudaops::f32(y, this, "matmul", "y", xv.rows, n_out));
+  yv.rows = xv.rows;
+  if (xv.rows == 0) return Status::ok();
+  const auto row_bytes = ggml_row_bytes(w.type, static_cast<uint64_t>(n_in));
+  if (!row_bytes || w.row_stride() < static_cast<int64_t>(*row_bytes))
+    return Status::errorf("matmul: weights {} with rows {} bytes apart", w.describe(), w.row_stride());
+  const WeightMatrix wm{w.type, static_cast<const uint8_t*>(w.data), n_out, n_in, w.row_stride()};
+  Impl& m = *impl_;
+  const bool quantized = mode == MatmulMode::Quantized && cuda::matvec_supported(w.type) && n_in % 32 == 0 &&
+                         w.row_stride() == static_cast<int64_t>(*row_bytes);
+  if (!quantized) return exact_product(m, wm, xv, yv);
+  if (xv.rows <= cuda::kMatvecMaxRows) return matvec_product(m, wm, xv, yv);
+  // 17-64 rows: the int8 tensor-core kernels where they take the type (mmq.h).
+  const cuda::MatvecWeights mw{w.type, w.data, n_out, n_in, 1, 0};
+  if (xv.rows <= cuda::kMmaMaxRows && cuda::mma_matmul_applies(mw, static_cast<int>(xv.rows)))
+    return matvec_product(m, wm, xv, yv);
+  return gemm_product(m, wm, xv, yv);
+}
+
+Status CudaBackend::get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) {
+  if (!table.valid() || table.backend != this || !cuda::exact::supported(table.type))
+    return Status::errorf("get_rows: table {} is not a table of this backend with a decoder", table.describe());
+  if (!ids.valid() || ids.backend != this || ids.type != GgmlType::I32 || !ids.contiguous())
+    return Status::errorf("get_rows: ids {} must be contiguous i32", ids.describe());
+  const int64_t n = ids.n_elements();
+  DSV4_ASSIGN_OR_RETURN(Mat<float> yv, cudaops::f32(y, this, "get_rows", "y", n, table.cols()));
+  if (n == 0) return Status::ok();
+  const int64_t row_bytes = table.rank >= 2 ? table.row_stride() : static_cast<int64_t>(tensor_bytes(table));
+  Impl& m = *impl_;
+  const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs};
+  const auto* data = static_cast<const uint8_t*>(table.data);
+  const auto* id = static_cast<const int32_t*>(ids.data);
+  const unsigned grid = cudaops::grid_for(n * yv.cols);
+  cuda::exact::dispatch(table.type, [&](auto tag) {
+    get_rows_kernel<decltype(tag)::value><<<grid, 256, 0, m.stream>>>(data, table.rows(), row_bytes, id, n, yv, tables,
+                                                                      m.device_errors);
+    return 0;
+  });
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::rms_norm(const Tensor& x, const Tensor* weight, float eps, int64_t width, const Tensor& y) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "rms_norm", "x", -1, -1));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "rms_norm", "y", xv.rows, xv.cols));
+  if (width <= 0 || xv.cols % width)
+    return Status::errorf("rms_norm: width {} does not divide row {}", width, xv.cols);
+  const float* w = nullptr;
+  if (weight) {
+    DSV4_ASSIGN_OR_RETURN(const Mat<float> wv, cudaops::f32(*weight, this, "rms_norm", "weight", -1, width));
+    w = wv.p;
+  }
+  const int64_t groups = xv.cols / width, blocks = xv.rows * groups;
+  if (blocks == 0) return Status::ok();
+  if (blocks > INT32_MAX) return Status::errorf("rms_norm: {} groups exceed the grid", blocks);
+  rms_norm_kernel<<<static_cast<unsigned>(blocks), 256, 0, impl_->stream>>>(xv, w, eps, width, groups, yv);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::rope(const Tensor& x, int64_t head_dim, const Tensor& positions, const RopeParams& p,
+                         bool inverse) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "rope", "x", -1, -1));
+  if (!positions.valid() || positions.backend != this || positions.type != GgmlType::I32 ||
+      !positions.contiguous() || positions.n_elements() < xv.rows || head_dim < p.dims || head_dim <= 0 ||
+      xv.cols % head_dim || p.dims % 2 || p.dims <= 0)
+    return Status::errorf("rope: x {} head_dim {} rope dims {} positions {}", x.describe(), head_dim, p.dims,
+                          positions.describe());
+  DSV4_ASSIGN_OR_RETURN(const float* omega, impl_->rope_omega(p));
+  const int64_t count = xv.rows * (xv.cols / head_dim) * (p.dims / 2);
+  if (count == 0) return Status::ok();
+  rope_kernel<<<cudaops::grid_for(count), 256, 0, impl_->stream>>>(
+      xv, head_dim, p.dims, static_cast<const int32_t*>(positions.data), omega, inverse);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::add(const Tensor& x, const Tensor& y) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "add", "x", -1, -1));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "add", "y", xv.rows, xv.cols));
+  if (xv.rows * xv.cols == 0) return Status::ok();
+  add_kernel<<<cudaops::grid_for(xv.rows * xv.cols), 256, 0, impl_->stream>>>(xv, yv);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::scale(const Tensor& x, float factor) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "scale", "x", -1, -1));
+  if (xv.rows * xv.cols == 0) return Status::ok();
+  scale_kernel<<<cudaops::grid_for(xv.rows * xv.cols), 256, 0, impl_->stream>>>(xv, factor);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+// ---- hyper-connections --------------------------------------------------------------------------------
+
+Status CudaBackend::hc_pre(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base,
+                           int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& x,
+                           const Tensor& post, const Tensor& comb) {
+  if (n_hc < 1 || n_hc > kMaxHc) return Status::errorf("hc_pre: {} streams, supported 1..{}", n_hc, kMaxHc);
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_pre", "streams", -1, -1));
+  const int64_t n = sv.rows, width = sv.cols / n_hc, n_mix = (2 + n_hc) * n_hc;
+  if (sv.cols % n_hc) return Status::errorf("hc_pre: streams {} for {} streams", streams.describe(), n_hc);
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> mv, cudaops::f32(mixes, this, "hc_pre", "mixes", n, n_mix));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> scv, cudaops::f32(scale, this, "hc_pre", "scale", -1, 3));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> bv, cudaops::f32(base, this, "hc_pre", "base", -1, n_mix));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "hc_pre", "x", n, width));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> pv, cudaops::f32(post, this, "hc_pre", "post", n, n_hc));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_pre", "comb", n, n_hc * n_hc));
+  if (n == 0) return Status::ok();
+  hc_pre_kernel<<<static_cast<unsigned>(n), 256, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, sinkhorn_iters, hc_eps,
+                                                                     norm_eps, width, xv, pv, cv);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc, const Tensor& streams) {
+  if (n_hc < 1 || n_hc > kMaxHc) return Status::errorf("hc_post: {} streams, supported 1..{}", n_hc, kMaxHc);
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "hc_post", "y", -1, -1));
+  const int64_t n = yv.rows, width = yv.cols;
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> pv, cudaops::f32(post, this, "hc_post", "post", n, n_hc));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_post", "comb", n, n_hc * n_hc));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_post", "streams", n, n_hc * width));
+  if (n * width == 0) return Status::ok();
+  hc_post_kernel<<<cudaops::grid_for(n * width), 256, 0, impl_->stream>>>(yv, pv, cv, n_hc, sv);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::hc_head(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base,
+                            int n_hc, float hc_eps, float norm_eps, const Tensor& x) {
+  if (n_hc < 1 || n_hc > kMaxHc) return Status::errorf("hc_head: {} streams, supported 1..{}", n_hc, kMaxHc);
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_head", "streams", -1, -1));
+  const int64_t n = sv.rows, width = sv.cols / n_hc;
+  if (sv.cols % n_hc) return Status::errorf("hc_head: streams {} for {} streams", streams.describe(), n_hc);
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> mv, cudaops::f32(mixes, this, "hc_head", "mixes", n, n_hc));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> scv, cudaops::f32(scale, this, "hc_head", "scale", -1, -1));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> bv, cudaops::f32(base, this, "hc_head", "base", -1, n_hc));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "hc_head", "x", n, width));
+  if (n == 0) return Status::ok();
+  hc_head_kernel<<<static_cast<unsigned>(n), 256, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, hc_eps, norm_eps,
+                                                                      width, xv);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+// ---- QAT roundings -------------------------------------------------------------------------------------
+
+Status CudaBackend::hadamard(const Tensor& x, int64_t width) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "hadamard", "x", -1, -1));
+  constexpr int64_t kMaxWidth = 8192;  // one group in 32 KB of shared memory
+  if (width <= 0 || (width & (width - 1)) || xv.cols % width || width > kMaxWidth)
+    return Status::errorf("hadamard: width {} must be a power of two up to {} dividing {}", width, kMaxWidth, xv.cols);
+  const int64_t groups = xv.cols / width, blocks = xv.rows * groups;
+  if (blocks == 0) return Status::ok();
+  if (blocks > INT32_MAX) return Status::errorf("hadamard: {} groups exceed the grid", blocks);
+  hadamard_kernel<<<static_cast<unsigned>(blocks), 256, static_cast<size_t>(width) * sizeof(float), impl_->stream>>>(
+      xv, width, groups);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::round_fp8_blocks(const Tensor& x, int64_t cols, int64_t block) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "round_fp8_blocks", "x", -1, -1));
+  if (block <= 0 || cols < 0 || cols % block || cols > xv.cols)
+    return Status::errorf("round_fp8_blocks: {} columns in blocks of {} of {}", cols, block, x.describe());
+  const int64_t count = xv.rows * (cols / block);
+  if (count == 0) return Status::ok();
+  round_fp8_kernel<<<cudaops::grid_for(count, 128), 128, 0, impl_->stream>>>(xv, cols, block);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::round_fp4_blocks(const Tensor& x, int64_t block) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "round_fp4_blocks", "x", -1, -1));
+  if (block <= 0 || xv.cols % block)
+    return Status::errorf("round_fp4_blocks: blocks of {} of {}", block, x.describe());
+  const int64_t count = xv.rows * (xv.cols / block);
+  if (count == 0) return Status::ok();
+  round_fp4_kernel<<<cudaops::grid_for(count, 128), 128, 0, impl_->stream>>>(xv, block);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace dsv4::backend

@@ -1,0 +1,539 @@
+// Routed experts for one or two tokens (decode): two kernels per layer instead of four
+// (moe_experts.h, KernelChoice::moe_decode).
+//
+// gate/up kernel: one block per (token, expert slot) pair and 32 consecutive rows of the
+// expert's gate and up matrices, 4 warps of 8 rows each. The block first asks for its weight
+// rows (16-byte cp.async copies into per-warp rings of shared-memory stages, one gate row and
+// the same up row per stage, as the one-row matvec kernel does), quantises the token's
+// activations into shared memory itself (one thread per block of 32, q8_block.cuh, in the
+// layout each lane reads its slice from) instead of a separate launch, then runs the one-row
+// kernel's arithmetic (RowUnit, matvec_row_kernel.cuh: activations in registers, gate and up
+// rows paired in one pass) and applies the clamped SwiGLU and the routing weight. The 32
+// results are one Q8 block of h: warp 0 quantises them and writes them where the down
+// kernel's lanes read them, so h never exists in f32.
+//
+// down kernel: one block of top_k warps per token and range of output rows; warp s streams
+// rows of the expert of slot s with that pair's h in registers, and the block adds the top_k
+// products of each row in slot order (no atomics, no partial buffer).
+//
+// Both kernels read the routing ids before waiting for the previous kernel (programmatic
+// dependent launch) to start streaming weights early, and check them again after the wait:
+// if the early read was stale the stages are thrown away and refilled, so the result never
+// depends on it.
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/matvec_launch.cuh"
+#include "backend/cuda/matvec_row_kernel.cuh"
+#include "backend/cuda/moe_experts.h"
+#include "backend/cuda/q8_block.cuh"
+
+namespace dsv4::cuda {
+
+namespace detail {
+
+namespace {
+
+constexpr int kGateUpWarps = 4;  // 8 rows each: one Q8 block of h per block
+constexpr int kDecodeStages = 3;
+
+struct DecodeArgs {
+  const uint8_t* gate = nullptr;
+  const uint8_t* up = nullptr;
+  const uint8_t* down = nullptr;
+  int64_t gu_row_bytes = 0;  // rows of hidden weights
+  int64_t dn_row_bytes = 0;  // rows of ffn weights
+  int n_experts = 0, hidden = 0, ffn = 0, top_k = 0;
+  const float* x = nullptr;         // [tokens][hidden]
+  const int32_t* ids = nullptr;     // [tokens][top_k]
+  const float* weights = nullptr;   // [tokens][top_k]
+  float limit = 0.0f;
+  // gate/up geometry: units of the gate/up type per row, lanes per row, rows per stage.
+  int gu_units = 0, gu_lanes = 0, gu_rows_per_stage = 0, gu_segment = 0;
+  int x_padded = 0;                 // values of a quantised x row (activation_quant.h layout)
+  // down geometry
+  int dn_units = 0, dn_lanes = 0, dn_rows_per_stage = 0, dn_segment = 0;
+  int dn_rows_per_block = 0, dn_blocks_per_token = 0;
+  // h quantised for the down rows: [pairs][h_padded] int8, [pairs][h_padded / 32] f32
+  int8_t* hq = nullptr;
+  float* hd = nullptr;
+  int64_t h_padded = 0;
+  int h_sub_per_unit = 0;           // down unit weights / 32
+  float* y = nullptr;               // [tokens][hidden]
+};
+
+// 16-byte copies of `bytes` bytes at src (any alignment) into a segment (see issue_group).
+__device__ __forceinline__ void copy_span(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
+  const uint8_t* aligned = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
+  const int64_t chunks = (src - aligned + bytes + 15) / 16;
+  for (int64_t c = lane; c < chunks; c += 32) cp_async16(dst + 16 * c, aligned + 16 * c);
+}
+
+// The expert of pair p: read by lane 0 and shared, so the whole warp agrees even if the value
+// is being written (the early, unchecked read).
+__device__ __forceinline__ int warp_expert(const int32_t* ids, int p, int n_experts, bool early) {
+  int e = 0;
+  if ((threadIdx.x & 31) == 0) e = early ? __ldcg(ids + p) : ids[p];
+  e = __shfl_sync(0xFFFFFFFFu, e, 0);
+  return min(max(e, 0), n_experts - 1);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// Position of value i (0..31) of 32-block b in a row of the activation layout
+// (activation_quant.h) with `sub` 32-blocks per unit and L lanes: byte offset of the value and
+// the index of the block's scale.
+__device__ __forceinline__ void layout_position(int b, int sub, int lanes, int i, int64_t& q_at, int64_t& d_at) {
+  const int unit = b / sub, t = unit / lanes, slot = unit % lanes, s = b % sub;
+  q_at = ((static_cast<int64_t>(t) * sub + s) * 2 * lanes + (i >> 4) * lanes + slot) * 16 + (i & 15);
+  d_at = (static_cast<int64_t>(t) * sub + s) * lanes + slot;
+}
+
+template <GgmlType T, int S>
+__global__ void __launch_bounds__(kGateUpWarps * 32) moe_decode_gate_up_kernel(const DecodeArgs a) {
+  using U = RowUnit<T>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row_blocks = a.ffn / 32;
+  const int pair = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
+  const int token = pair / a.top_k;
+  constexpr int kRowsPerWarp = 32 / kGateUpWarps;
+  const int row0 = rb * 32 + warp * kRowsPerWarp;
+  const int rps = a.gu_rows_per_stage;
+  const int stage_bytes = 2 * a.gu_segment;
+  uint8_t* ring = smem + warp * kDecodeStages * stage_bytes;
+  int8_t* xq = reinterpret_cast<int8_t*>(smem + kGateUpWarps * kDecodeStages * stage_bytes);
+  float* xd = reinterpret_cast<float*>(smem + kGateUpWarps * kDecodeStages * stage_bytes + a.x_padded);
+  float* hs = xd + a.x_padded / 32;  // the block's 32 results
+  const int64_t matrix_bytes = a.gu_row_bytes * a.ffn;
+  const int n_stages = kRowsPerWarp / rps;
+
+  allow_next_kernel();
+  int expert = warp_expert(a.ids, pair, a.n_experts, true);
+  auto issue = [&](int st, int e) {
+    if (st < n_stages) {
+      const int64_t at = e * matrix_bytes + static_cast<int64_t>(row0 + st * rps) * a.gu_row_bytes;
+      uint8_t* dst = ring + (st % kDecodeStages) * stage_bytes;
+      copy_span(dst, a.gate + at, rps * a.gu_row_bytes, lane);
+      copy_span(dst + a.gu_segment, a.up + at, rps * a.gu_row_bytes, lane);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s, expert);
+  wait_for_previous_kernel();
+  const int confirmed = warp_expert(a.ids, pair, a.n_experts, false);
+  if (confirmed != expert) {  // the early read was stale: drop the stages and ask again
+    cp_async_wait<0>();
+    __syncwarp();
+    expert = confirmed;
+#pragma unroll
+    for (int s = 0; s < kDecodeStages - 1; ++s) issue(s, expert);
+  }
+
+  // The token's activations, quantised by the block into the layout of its lanes' slices.
+  {
+    const int sub = U::kSub, L = a.gu_lanes;
+    const float* xr = a.x + static_cast<int64_t>(token) * a.hidden;
+    for (int b = threadIdx.x; b < a.hidden / 32; b += blockDim.x) {
+      float v[32];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float4 f = reinterpret_cast<const float4*>(xr + 32 * b)[i];
+        v[4 * i] = f.x;
+        v[4 * i + 1] = f.y;
+        v[4 * i + 2] = f.z;
+        v[4 * i + 3] = f.w;
+      }
+      uint32_t q[8];
+      float d;
+      q8_quantize_thread(v, q, d);
+      int64_t q_at, d_at;
+      layout_position(b, sub, L, 0, q_at, d_at);
+      *reinterpret_cast<uint4*>(xq + q_at) = make_uint4(q[0], q[1], q[2], q[3]);
+      *reinterpret_cast<uint4*>(xq + q_at + 16 * L) = make_uint4(q[4], q[5], q[6], q[7]);
+      xd[d_at] = d;
+    }
+  }
+  __syncthreads();
+  const int L = a.gu_lanes;
+  const int slot = lane & (L - 1);
+  const int rows_per_pass = 32 / L, lane_row = lane / L;
+  typename U::Act x[S];
+  load_unit_activations<U, S>(xq, xd, L, slot, a.gu_units, x);
+  const float route_weight = a.weights[pair];
+
+  for (int st = 0; st < n_stages; ++st) {
+    issue(st + kDecodeStages - 1, expert);
+    cp_async_wait<kDecodeStages - 1>();
+    __syncwarp();
+    const uint8_t* stage = ring + (st % kDecodeStages) * stage_bytes;
+    const int64_t at = expert * matrix_bytes + static_cast<int64_t>(row0 + st * rps) * a.gu_row_bytes;
+    const uint8_t* g_rows = stage + (reinterpret_cast<uintptr_t>(a.gate + at) & 15);
+    const uint8_t* u_rows = stage + a.gu_segment + (reinterpret_cast<uintptr_t>(a.up + at) & 15);
+    for (int rr0 = 0; rr0 < rps; rr0 += rows_per_pass) {
+      const int rr = rr0 + lane_row;
+      const bool active = rr < rps;
+      float g = 0.0f, u = 0.0f;
+      if (active) {
+        const uint8_t* gr = g_rows + static_cast<int64_t>(rr) * a.gu_row_bytes;
+        const uint8_t* ur = u_rows + static_cast<int64_t>(rr) * a.gu_row_bytes;
+#pragma unroll
+        for (int t = 0; t < S; ++t) {
+          const int unit = t * L + slot;
+          if (unit < a.gu_units) {
+            g += U::dot(gr, unit, x[t]);
+            u += U::dot(ur, unit, x[t]);
+          }
+        }
+      }
+#pragma unroll 1
+      for (int o = L >> 1; o > 0; o >>= 1) {
+        g += __shfl_xor_sync(0xFFFFFFFFu, g, o);
+        u += __shfl_xor_sync(0xFFFFFFFFu, u, o);
+      }
+      if (active && slot == 0) {
+        const float gate = fminf(g, a.limit);
+        const float up = fminf(fmaxf(u, -a.limit), a.limit);
+        hs[warp * kRowsPerWarp + st * rps + rr] = route_weight * silu(gate) * up;
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (warp == 0) {
+    float d;
+    const int q = q8_quantize_warp(hs[lane], d);
+    int64_t q_at, d_at;
+    layout_position(rb, a.h_sub_per_unit, a.dn_lanes, lane, q_at, d_at);
+    a.hq[pair * a.h_padded + q_at] = static_cast<int8_t>(q);
+    if (lane == 0) a.hd[pair * (a.h_padded / 32) + d_at] = d;
+  }
+}
+
+template <GgmlType T, int S>
+__global__ void __launch_bounds__(8 * 32) moe_decode_down_kernel(const DecodeArgs a) {
+  using U = RowUnit<T>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;  // warp = slot
+  const int token = blockIdx.x / a.dn_blocks_per_token;
+  const int r0 = (blockIdx.x % a.dn_blocks_per_token) * a.dn_rows_per_block;
+  const int rows = min(a.dn_rows_per_block, a.hidden - r0);
+  const int pair = token * a.top_k + warp;
+  const int rps = a.dn_rows_per_stage;
+  const int stage_bytes = a.dn_segment;
+  uint8_t* ring = smem + warp * kDecodeStages * stage_bytes;
+  float* part = reinterpret_cast<float*>(smem + a.top_k * kDecodeStages * stage_bytes);  // [top_k][rows]
+  const int64_t matrix_bytes = a.dn_row_bytes * a.hidden;
+  const int n_stages = (rows + rps - 1) / rps;
+
+  allow_next_kernel();
+  int expert = warp_expert(a.ids, pair, a.n_experts, true);
+  auto issue = [&](int st, int e) {
+    if (st < n_stages) {
+      const int first = r0 + st * rps;
+      const int count = min(rps, r0 + rows - first);
+      copy_span(ring + (st % kDecodeStages) * stage_bytes,
+                a.down + e * matrix_bytes + static_cast<int64_t>(first) * a.dn_row_bytes, count * a.dn_row_bytes, lane);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s, expert);
+  wait_for_previous_kernel();  // h comes from the gate/up kernel
+  const int confirmed = warp_expert(a.ids, pair, a.n_experts, false);
+  if (confirmed != expert) {
+    cp_async_wait<0>();
+    __syncwarp();
+    expert = confirmed;
+#pragma unroll
+    for (int s = 0; s < kDecodeStages - 1; ++s) issue(s, expert);
+  }
+  const int L = a.dn_lanes;
+  const int slot = lane & (L - 1);
+  const int rows_per_pass = 32 / L, lane_row = lane / L;
+  typename U::Act x[S];
+  load_unit_activations<U, S>(a.hq + pair * a.h_padded, a.hd + pair * (a.h_padded / 32), L, slot, a.dn_units, x);
+
+  for (int st = 0; st < n_stages; ++st) {
+    issue(st + kDecodeStages - 1, expert);
+    cp_async_wait<kDecodeStages - 1>();
+    __syncwarp();
+    const int first = r0 + st * rps;
+    const int count = min(rps, r0 + rows - first);
+    const uint8_t* src = a.down + expert * matrix_bytes + static_cast<int64_t>(first) * a.dn_row_bytes;
+    const uint8_t* stage_rows = ring + (st % kDecodeStages) * stage_bytes + (reinterpret_cast<uintptr_t>(src) & 15);
+    for (int rr0 = 0; rr0 < count; rr0 += rows_per_pass) {
+      const int rr = rr0 + lane_row;
+      const bool active = rr < count;
+      float acc = 0.0f;
+      if (active) {
+        const uint8_t* row = stage_rows + static_cast<int64_t>(rr) * a.dn_row_bytes;
+#pragma unroll
+        for (int t = 0; t < S; ++t) {
+          const int unit = t * L + slot;
+          if (unit < a.dn_units) acc += U::dot(row, unit, x[t]);
+        }
+      }
+#pragma unroll 1
+      for (int o = L >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, o);
+      if (active && slot == 0) part[warp * a.dn_rows_per_block + st * rps + rr] = acc;
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int s = 0; s < a.top_k; ++s) sum += part[s * a.dn_rows_per_block + i];
+    a.y[static_cast<int64_t>(token) * a.hidden + r0 + i] = sum;
+  }
+}
+
+// Units, lanes and registers (S units per lane) of one row of k values of type T; false when the
+// one-row units do not cover such a row.
+template <GgmlType T>
+bool row_geometry(int64_t k, int& units, int& lanes, int& steps) {
+  constexpr int kWeights = 32 * RowUnit<T>::kSub;
+  if (!row_unit_covers<T>(k)) return false;
+  units = static_cast<int>(k / kWeights);
+  lanes = lanes_per_row(k, kWeights);
+  steps = (units + lanes - 1) / lanes;
+  return true;
+}
+
+// Rows per stage: as many as fit the byte target, a whole number of passes of the lane groups
+// (capped at `limit`), at least one.
+int rows_per_stage(int64_t row_bytes, int sources, int lanes, int limit, int64_t target) {
+  const int per_pass = 32 / lanes;
+  int rows = static_cast<int>(std::max<int64_t>(1, target / (sources * row_bytes)));
+  if (rows >= per_pass) rows = rows / per_pass * per_pass;
+  return std::max(1, std::min(rows, limit));
+}
+
+int64_t segment_bytes(int64_t rows, int64_t row_bytes) { return (rows * row_bytes + 15 + 15) / 16 * 16 + 16; }
+
+int64_t stage_target_bytes() {
+  const char* env = std::getenv("DSV4_MOE_DECODE_STAGE_BYTES");  // tuning knob for measurements
+  const int64_t v = env != nullptr ? std::atoll(env) : 0;
+  return v >= 256 && v <= 32768 ? v : 4096;
+}
+
+// Raises a kernel's dynamic shared-memory limit when a launch needs more than any before it
+// (a function attribute: set once per size, not on every call).
+Status allow_shared_bytes(const void* kernel, int64_t bytes) {
+  static std::mutex mutex;
+  static std::vector<std::pair<const void*, int64_t>> allowed;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto& entry : allowed) {
+    if (entry.first != kernel) continue;
+    if (entry.second < bytes) {
+      DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+      entry.second = bytes;
+    }
+    return Status::ok();
+  }
+  DSV4_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allowed.emplace_back(kernel, bytes);
+  return Status::ok();
+}
+
+template <GgmlType T, int S>
+Status launch_gate_up(const DecodeArgs& a, int pairs, cudaStream_t stream) {
+  auto kernel = &moe_decode_gate_up_kernel<T, S>;
+  const int64_t smem = int64_t{kGateUpWarps} * kDecodeStages * 2 * a.gu_segment + a.x_padded +
+                       (a.x_padded / 32) * 4 + 32 * 4;
+  if (smem > kMaxSharedBytes) return Status::error("moe_experts (decode): gate/up stages of " + std::to_string(smem) + " bytes");
+  DSV4_TRY(allow_shared_bytes(reinterpret_cast<const void*>(kernel), smem));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(int64_t{pairs} * (a.ffn / 32)));
+  config.blockDim = dim3(kGateUpWarps * 32);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  if (programmatic_launch_enabled()) {
+    config.attrs = &pdl;
+    config.numAttrs = 1;
+  }
+  DSV4_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, a));
+  return Status::ok();
+}
+
+template <GgmlType T, int S>
+Status launch_down(const DecodeArgs& a, int tokens, cudaStream_t stream) {
+  auto kernel = &moe_decode_down_kernel<T, S>;
+  const int64_t smem = int64_t{a.top_k} * kDecodeStages * a.dn_segment + int64_t{a.top_k} * a.dn_rows_per_block * 4;
+  if (smem > kMaxSharedBytes) return Status::error("moe_experts (decode): down stages of " + std::to_string(smem) + " bytes");
+  DSV4_TRY(allow_shared_bytes(reinterpret_cast<const void*>(kernel), smem));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(int64_t{tokens} * a.dn_blocks_per_token));
+  config.blockDim = dim3(a.top_k * 32);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  if (programmatic_launch_enabled()) {
+    config.attrs = &pdl;
+    config.numAttrs = 1;
+  }
+  DSV4_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, a));
+  return Status::ok();
+}
+
+// The kernels for S = 1, 2 (and 4 for Q8_0 and Q4_K, whose units are narrower).
+template <GgmlType T>
+Status launch_gate_up_steps(const DecodeArgs& a, int steps, int pairs, cudaStream_t stream) {
+  if (steps <= 1) return launch_gate_up<T, 1>(a, pairs, stream);
+  if (steps <= 2) return launch_gate_up<T, 2>(a, pairs, stream);
+  if constexpr (T == GgmlType::Q8_0 || T == GgmlType::Q4_K)
+    if (steps <= 4) return launch_gate_up<T, 4>(a, pairs, stream);
+  return Status::error("moe_experts (decode): rows too long for the gate/up kernel");
+}
+
+template <GgmlType T>
+Status launch_down_steps(const DecodeArgs& a, int steps, int tokens, cudaStream_t stream) {
+  if (steps <= 1) return launch_down<T, 1>(a, tokens, stream);
+  if (steps <= 2) return launch_down<T, 2>(a, tokens, stream);
+  if constexpr (T == GgmlType::Q8_0 || T == GgmlType::Q4_K)
+    if (steps <= 4) return launch_down<T, 4>(a, tokens, stream);
+  return Status::error("moe_experts (decode): rows too long for the down kernel");
+}
+
+constexpr int max_steps(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::Q4_K ? 4 : 2; }
+
+template <GgmlType T>
+bool geometry(int64_t k, int& units, int& lanes, int& steps, int& unit_weights) {
+  unit_weights = 32 * RowUnit<T>::kSub;
+  return row_geometry<T>(k, units, lanes, steps) && steps <= max_steps(T);
+}
+
+bool geometry_of(GgmlType type, int64_t k, int& units, int& lanes, int& steps, int& unit_weights) {
+  switch (type) {
+    case GgmlType::Q8_0: return geometry<GgmlType::Q8_0>(k, units, lanes, steps, unit_weights);
+    case GgmlType::Q2_K: return geometry<GgmlType::Q2_K>(k, units, lanes, steps, unit_weights);
+    case GgmlType::Q3_K: return geometry<GgmlType::Q3_K>(k, units, lanes, steps, unit_weights);
+    case GgmlType::Q4_K: return geometry<GgmlType::Q4_K>(k, units, lanes, steps, unit_weights);
+    case GgmlType::Q6_K: return geometry<GgmlType::Q6_K>(k, units, lanes, steps, unit_weights);
+    case GgmlType::MXFP4: return geometry<GgmlType::MXFP4>(k, units, lanes, steps, unit_weights);
+    default: return false;
+  }
+}
+
+int row_alignment(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q8_0: return RowUnit<GgmlType::Q8_0>::kAlign;
+    case GgmlType::Q2_K: return RowUnit<GgmlType::Q2_K>::kAlign;
+    case GgmlType::Q3_K: return RowUnit<GgmlType::Q3_K>::kAlign;
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+bool moe_decode_applies(const ExpertWeights& w, int64_t tokens, int top_k) {
+  if (tokens < 1 || tokens > kMoeDecodeMaxTokens || top_k < 1 || top_k > 8) return false;
+  if (w.hidden % 32 != 0 || w.ffn % 32 != 0 || w.hidden > (1 << 20) || w.ffn > (1 << 20)) return false;
+  int units, lanes, steps, unit_weights;
+  if (!geometry_of(w.gate_up_type, w.hidden, units, lanes, steps, unit_weights)) return false;
+  if (!geometry_of(w.down_type, w.ffn, units, lanes, steps, unit_weights)) return false;
+  const auto& gu = ggml_traits(w.gate_up_type);
+  const auto& dn = ggml_traits(w.down_type);
+  const int64_t gu_row = w.hidden / gu.block_elems * gu.block_bytes, dn_row = w.ffn / dn.block_elems * dn.block_bytes;
+  return gu_row % row_alignment(w.gate_up_type) == 0 && dn_row % row_alignment(w.down_type) == 0;
+}
+
+size_t moe_decode_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k) {
+  int units, lanes, steps, unit_weights;
+  if (!geometry_of(w.down_type, w.ffn, units, lanes, steps, unit_weights)) return 0;
+  const ActivationLayout layout{unit_weights, lanes};
+  return quantized_activations_bytes(tokens * top_k, w.ffn, layout);
+}
+
+Status moe_decode(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit, float* y,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (!moe_decode_applies(w, routing.tokens, routing.top_k))
+    return Status::error("moe_experts (decode): these shapes and types take the general path");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return Status::error("moe_experts (decode): x not 16-byte aligned");
+  const size_t need = moe_decode_workspace_bytes(w, routing.tokens, routing.top_k);
+  if (workspace_bytes < need)
+    return Status::error("moe_experts (decode): workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
+                         std::to_string(need));
+  const auto& gu = ggml_traits(w.gate_up_type);
+  const auto& dn = ggml_traits(w.down_type);
+  DecodeArgs a;
+  a.gate = static_cast<const uint8_t*>(w.gate);
+  a.up = static_cast<const uint8_t*>(w.up);
+  a.down = static_cast<const uint8_t*>(w.down);
+  a.gu_row_bytes = w.hidden / gu.block_elems * gu.block_bytes;
+  a.dn_row_bytes = w.ffn / dn.block_elems * dn.block_bytes;
+  a.n_experts = static_cast<int>(w.n_experts);
+  a.hidden = static_cast<int>(w.hidden);
+  a.ffn = static_cast<int>(w.ffn);
+  a.top_k = routing.top_k;
+  a.x = x;
+  a.ids = routing.ids;
+  a.weights = routing.weights;
+  a.limit = swiglu_limit;
+  a.y = y;
+  const int64_t target = stage_target_bytes();
+
+  int gu_steps = 0, gu_weights = 0;
+  geometry_of(w.gate_up_type, w.hidden, a.gu_units, a.gu_lanes, gu_steps, gu_weights);
+  a.gu_rows_per_stage = rows_per_stage(a.gu_row_bytes, 2, a.gu_lanes, 32 / kGateUpWarps, target);
+  while ((32 / kGateUpWarps) % a.gu_rows_per_stage != 0) --a.gu_rows_per_stage;
+  a.gu_segment = static_cast<int>(segment_bytes(a.gu_rows_per_stage, a.gu_row_bytes));
+  a.x_padded = static_cast<int>(padded_row_values(w.hidden, {gu_weights, a.gu_lanes}));
+
+  int dn_steps = 0, dn_weights = 0;
+  geometry_of(w.down_type, w.ffn, a.dn_units, a.dn_lanes, dn_steps, dn_weights);
+  a.dn_rows_per_stage = rows_per_stage(a.dn_row_bytes, 1, a.dn_lanes, 64, target);
+  a.dn_segment = static_cast<int>(segment_bytes(a.dn_rows_per_stage, a.dn_row_bytes));
+  // Rows per block: about three blocks per multiprocessor over all tokens, whole stages.
+  DSV4_ASSIGN_OR_RETURN(const int sms, sm_count());
+  const int64_t want_blocks = 3 * int64_t{sms};
+  int64_t rows = (w.hidden * routing.tokens + want_blocks - 1) / want_blocks;
+  rows = (rows + a.dn_rows_per_stage - 1) / a.dn_rows_per_stage * a.dn_rows_per_stage;
+  a.dn_rows_per_block = static_cast<int>(std::min<int64_t>(rows, w.hidden));
+  a.dn_blocks_per_token = static_cast<int>((w.hidden + a.dn_rows_per_block - 1) / a.dn_rows_per_block);
+  const ActivationLayout h_layout{dn_weights, a.dn_lanes};
+  const QuantizedActivations hq =
+      quantized_activations_view(workspace, routing.tokens * routing.top_k, w.ffn, h_layout);
+  a.hq = hq.q;
+  a.hd = hq.d;
+  a.h_padded = hq.padded_k;
+  a.h_sub_per_unit = dn_weights / 32;
+
+  const int pairs = static_cast<int>(routing.tokens * routing.top_k);
+  switch (w.gate_up_type) {
+    case GgmlType::Q8_0: DSV4_TRY(launch_gate_up_steps<GgmlType::Q8_0>(a, gu_steps, pairs, stream)); break;
+    case GgmlType::Q2_K: DSV4_TRY(launch_gate_up_steps<GgmlType::Q2_K>(a, gu_steps, pairs, stream)); break;
+    case GgmlType::Q3_K: DSV4_TRY(launch_gate_up_steps<GgmlType::Q3_K>(a, gu_steps, pairs, stream)); break;
+    case GgmlType::Q4_K: DSV4_TRY(launch_gate_up_steps<GgmlType::Q4_K>(a, gu_steps, pairs, stream)); break;
+    case GgmlType::Q6_K: DSV4_TRY(launch_gate_up_steps<GgmlType::Q6_K>(a, gu_steps, pairs, stream)); break;
+    case GgmlType::MXFP4: DSV4_TRY(launch_gate_up_steps<GgmlType::MXFP4>(a, gu_steps, pairs, stream)); break;
+    default: return Status::error("moe_experts (decode): unreachable gate/up type");
+  }
+  const int tokens = static_cast<int>(routing.tokens);
+  switch (w.down_type) {
+    case GgmlType::Q8_0: return launch_down_steps<GgmlType::Q8_0>(a, dn_steps, tokens, stream);
+    case GgmlType::Q2_K: return launch_down_steps<GgmlType::Q2_K>(a, dn_steps, tokens, stream);
+    case GgmlType::Q3_K: return launch_down_steps<GgmlType::Q3_K>(a, dn_steps, tokens, stream);
+    case GgmlType::Q4_K: return launch_down_steps<GgmlType::Q4_K>(a, dn_steps, tokens, stream);
+    case GgmlType::Q6_K: return launch_down_steps<GgmlType::Q6_K>(a, dn_steps, tokens, stream);
+    case GgmlType::MXFP4: return launch_down_steps<GgmlType::MXFP4>(a, dn_steps, tokens, stream);
+    default: return Status::error("moe_experts (decode): unreachable down type");
+  }
+}
+
+}  // namespace detail
+
+}  // namespace dsv4::cuda
