@@ -34,7 +34,6 @@
 #include "util/counter_rng.h"
 #include "util/thread_pool.h"
 #ifdef DSV4_HAVE_CUDA
-#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device_bench.h"
 #include "backend/cuda/device_info.h"
 #endif
