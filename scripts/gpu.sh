@@ -1,127 +1,357 @@
 #!/usr/bin/env bash
-# The one script for the CUDA kernels on an H200: builds for sm_90a, runs every GPU check
-# (test_cuda) and every CUDA benchmark (cuda_bench_*), writes the logs under $OUT (or
-# ./gpu-out) and prints a short table last.
+# The one script for the GPU: every CUDA check, the kernel benchmarks, dsv4 on the full
+# V4-Flash geometry and llama.cpp beside it on the same file, in one call of at most ~9
+# minutes on one H200, with a short table last (docs/PERFORMANCE.md, "How the model is
+# measured").
 #
-#   scripts/gpu.sh prepare   on a machine with the project's build dependencies (no GPU
-#                            needed): configures build-cuda with -DDSV4_CUDA=ON (sm_90a),
-#                            builds test_cuda and the benchmarks, and stages them with the
-#                            shared libraries the GPU machine may lack in build-gpu-bin/.
-#   scripts/gpu.sh [run]     on the GPU machine: builds there when the build dependencies
-#                            (fmt, GoogleTest, ...) are installed, otherwise runs the staged
-#                            binaries from build-gpu-bin/ (bring it along, e.g. the device
-#                            tool's carry: ["build-gpu-bin"]); then checks, benchmarks, table.
+#   scripts/gpu.sh prepare   here (the project's build dependencies, no GPU needed): builds
+#                            build-cuda for sm_90a (test_cuda, the cuda_bench_* programs,
+#                            dsv4) and packs them with the shared libraries the GPU machine
+#                            lacks into build-gpu-bin/stage.tar.gz; downloads the llama-cpp-python 0.3.36
+#                            sdist (its vendor/llama.cpp, the peer) and packs its source,
+#                            without docs and models, in build-gpu-llama/ (never committed).
+#                            Prints the sizes: the device tool carries at most 64 MiB.
+#   scripts/gpu.sh [run]     on the GPU machine, with build-gpu-bin and build-gpu-llama
+#                            carried: the steps below, logs and results under $OUT.
+#
+# Steps (DSV4_GPU_STEPS, default all, in this order; the llama.cpp build runs in the
+# background from the start while the checks run):
+#   tests      test_cuda (every GPU check)
+#   memcheck   compute-sanitizer memcheck on a subset (DSV4_GPU_MEMCHECK: a gtest filter)
+#   racecheck  compute-sanitizer racecheck on the shared-memory kernels (DSV4_GPU_RACECHECK)
+#              (DSV4_GPU_CHECKS, as before, picks among these three: "" for none)
+#   llama      llama.cpp's CUDA build (sm_90a, llama-bench only), then llama-bench decode and
+#              prefill on a cut of the geometry it loads (DSV4_GPU_CUT_LAYERS, default 4
+#              layers, trunk only, q2k types) and dsv4 bench on the same file, as ratios
+#   flash      dsv4 synth --fill random-blocks of the whole V4-Flash geometry (43 layers, q2k
+#              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
+#              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
+#   kernels    the kernel benchmarks (cuda_bench_*; DSV4_GPU_BENCHES names a subset, "" none)
+# Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_BUILD=0 (use
+# the staged binaries even where the build dependencies exist), DSV4_GPU_SHM (where the
+# model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu).
+# Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
+# a step gets what is left of it at most, so one that hangs cannot eat the call. With the
+# peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
+# first DSV4_GPU_CHECKS_SECONDS, 220) and the kernel benchmarks what remains at the end;
+# e.g. DSV4_GPU_STEPS="tests memcheck racecheck kernels" in a second call runs those fully. What comes back
+# ($OUT holds at most 8 files): table.txt, steps.txt, the dsv4 and llama-bench JSON files
+# and logs.tar.gz with every log, refreshed after each step.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mode="${1:-run}"
-targets=(test_cuda cuda_bench_matvec cuda_bench_moe cuda_bench_prefill cuda_bench_attention)
 stage=build-gpu-bin
+llama_stage=build-gpu-llama
+llama_version=0.3.36
+
+cuda_targets() {
+  local t=(test_cuda dsv4_cli) f
+  for f in bench/cuda/bench_*.cu; do t+=("cuda_$(basename "$f" .cu)"); done
+  echo "${t[@]}"
+}
 
 build() {  # $1: build dir, $2: jobs
   if [ ! -f "$1/CMakeCache.txt" ]; then
     cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDSV4_CUDA=ON || return 1
   fi
-  cmake --build "$1" -j "$2" --target "${targets[@]}"
+  # shellcheck disable=SC2046
+  cmake --build "$1" -j "$2" --target $(cuda_targets)
+}
+
+# The peer's source: the sdist's vendor/llama.cpp without what a CUDA build of llama-bench
+# does not read (documentation, model vocabularies, the web UI and server, tests, examples).
+stage_llama() {
+  local cache="${DSV4_CACHE_DIR:-$HOME/.cache/dsv4}" tmp src
+  local sdist="$cache/llama_cpp_python-$llama_version.tar.gz"
+  mkdir -p "$cache" "$llama_stage"
+  if [ ! -f "$sdist" ]; then
+    python3 -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+      "llama-cpp-python==$llama_version" -d "$cache" || return 1
+  fi
+  tmp="$(mktemp -d)"
+  tar -xzf "$sdist" -C "$tmp" || return 1
+  src="$tmp/llama_cpp_python-$llama_version/vendor/llama.cpp"
+  rm -rf "$src"/{docs,models,media,examples,pocs,tests,benches,app,gguf-py,conversion,.github,.devops} \
+         "$src"/tools/{ui,server} "$src"/vendor/miniaudio/*.h \
+         "$src"/ggml/src/ggml-{cann,et,hexagon,metal,opencl,openvino,sycl,virtgpu,vulkan,webgpu,zdnn,zendnn}
+  tar -czf "$llama_stage/llama.cpp.tar.gz" -C "$(dirname "$src")" llama.cpp || return 1
+  rm -rf "$tmp"
 }
 
 if [ "$mode" = prepare ]; then
   set -e
   dir="${DSV4_GPU_BUILD_DIR:-build-cuda}"  # any build dir configured with -DDSV4_CUDA=ON
   build "$dir" "${DSV4_JOBS:-2}"
-  rm -rf "$stage" && mkdir -p "$stage/lib" "$stage/compat"
-  cp "$dir"/tests/test_cuda "$dir"/bench/cuda_bench_* "$stage/"
+  # Binaries and libraries go into one gzip archive: device code compresses 3-5x, and the
+  # device tool carries 64 MiB.
+  files="$(mktemp -d)"
+  mkdir -p "$files/lib" "$files/compat"
+  cp "$dir"/tests/test_cuda "$dir"/bench/cuda_bench_* "$dir"/dsv4 "$files/"
+  strip --strip-unneeded "$files"/test_cuda "$files"/cuda_bench_* "$files"/dsv4 2>/dev/null || true
   # Libraries outside the C runtime and the CUDA toolkit's large ones (cuBLAS comes from the
   # GPU machine's toolkit); libstdc++ separately, used only if the GPU machine's is older.
-  for bin in "$stage"/test_cuda "$stage"/cuda_bench_*; do
+  for bin in "$files"/test_cuda "$files"/cuda_bench_* "$files"/dsv4; do
     ldd "$bin" | awk '/=> \//{print $3}'
   done | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|libgcc_s.so*|ld-linux*|libcublas*) ;;
-      libstdc++.so*) cp -L "$lib" "$stage/compat/" ;;
-      *) cp -L "$lib" "$stage/lib/" ;;
+      libstdc++.so*) cp -L "$lib" "$files/compat/" ;;
+      *) cp -L "$lib" "$files/lib/" ;;
     esac
   done
-  du -sh "$stage"
+  rm -rf "$stage" && mkdir -p "$stage"
+  tar -czf "$stage/stage.tar.gz" -C "$files" .
+  (cd "$files" && ls -l . lib compat) >"$stage/contents.txt"
+  rm -rf "$files"
+  stage_llama
+  du -sh "$stage" "$llama_stage"
+  total=$(du -cb "$stage" "$llama_stage" | tail -1 | cut -f1)
+  tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+  echo "carried: $(( (total + tree) >> 20 )) MiB of the device tool's 64 (tracked files $(( tree >> 20 )) MiB)"
+  [ $((total + tree)) -lt $((62 << 20)) ] || { echo "too large to carry"; exit 1; }
   exit 0
 fi
 
+# ---- on the GPU machine ------------------------------------------------------------------
 out="${OUT:-$PWD/gpu-out}"
-mkdir -p "$out"
+work="${DSV4_GPU_WORK:-/tmp/dsv4-gpu}"
+shm="${DSV4_GPU_SHM:-/dev/shm}"
+steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash kernels} "
+budget="${DSV4_GPU_BUDGET:-550}"
+cut_layers="${DSV4_GPU_CUT_LAYERS:-4}"
+mkdir -p "$out" "$work"
+rm -f "$work"/*.log "$work"/*.json "$work"/*.txt
+start=$SECONDS
+has() { case "$steps" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+left() { echo $((budget - (SECONDS - start))); }
+# Seconds kept for the whole-geometry step while the steps before it run.
+reserve=0
+has flash && reserve="${DSV4_GPU_FLASH_RESERVE:-200}"
+# With the peer or the whole geometry in the call, the checks run while llama.cpp builds and
+# end with that phase (DSV4_GPU_CHECKS_SECONDS after the start); alone they have the budget.
+phase=$budget
+{ has llama || has flash; } && phase="${DSV4_GPU_CHECKS_SECONDS:-220}"
+# The time a step may take: its cap, or what is left of the budget (less the reserve and a
+# margin for the table), whichever is smaller.
+cap() { local l; l=$(($(left) - 15 - reserve)); echo $(($1 < l ? $1 : l)); }
+check_cap() { local c l; c=$(cap "$1"); l=$((phase - (SECONDS - start))); echo $((c < l ? c : l)); }
+
+# What comes back, refreshed after each step (at most 8 files under $OUT).
+refresh_out() {
+  cat "$work"/*.log 2>/dev/null | grep -a '^TABLE|' >"$work/table.txt"
+  cp "$work/table.txt" "$work/steps.txt" "$out/" 2>/dev/null
+  for j in dsv4_flash dsv4_cut llama_bench; do [ -f "$work/$j.json" ] && cp "$work/$j.json" "$out/"; done
+  tar -czf "$out/logs.tar.gz" -C "$work" $(cd "$work" && ls ./*.log ./*.txt ./*.json 2>/dev/null)
+}
+# step NAME CAP COMMAND...: runs with a time cap, output in $work/NAME.log, status in steps.txt.
+step() {
+  local name=$1 limit t0 rc
+  case "$2" in check:*) limit=$(check_cap "${2#check:}") ;; *) limit=$(cap "$2") ;; esac
+  shift 2
+  if [ "$limit" -lt 10 ]; then
+    echo "$name skipped: no time left for it" | tee -a "$work/steps.txt"
+    return 1
+  fi
+  echo "== $name (at $((SECONDS - start)) s, cap $limit s)"
+  t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$work/$name.log" 2>&1
+  rc=$?
+  local what=ok
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && what="timed out"
+  [ $rc -ne 0 ] && [ "$what" = ok ] && what="failed"
+  echo "$name: $what (exit $rc, $((SECONDS - t0)) s)" | tee -a "$work/steps.txt"
+  [ $rc -eq 0 ] || tail -5 "$work/$name.log"
+  refresh_out
+  return $rc
+}
+
 {
-  echo "== $(date -u +%FT%TZ) $(uname -m) $(hostname)"
+  echo "== $(date -u +%FT%TZ) $(uname -m) $(hostname), $(nproc) cores"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv
   nvcc --version | tail -2
-  for h in /usr/include/fmt/format.h /usr/include/gtest/gtest.h /usr/include/nlohmann/json.hpp /usr/include/CLI/CLI.hpp \
-           /usr/include/pcre2.h /usr/include/utf8proc.h; do
-    [ -e "$h" ] && echo "have $h" || echo "missing $h"
-  done
-} >"$out/env.txt" 2>&1
+  cmake --version | head -1
+  free -g
+  df -h "$shm" /tmp
+} >"$work/env.log" 2>&1
+: >"$work/steps.txt"
 
-bin=""
-if [ -e /usr/include/fmt/format.h ] && [ -e /usr/include/gtest/gtest.h ] && [ -e /usr/include/nlohmann/json.hpp ] &&
-   [ -e /usr/include/pcre2.h ] && [ -e /usr/include/utf8proc.h ]; then
+# The binaries: DSV4_GPU_BIN's, else built here when the build dependencies exist, else
+# the staged ones.
+bin="${DSV4_GPU_BIN:-}"
+if [ -z "$bin" ] && [ "${DSV4_GPU_BUILD:-auto}" != 0 ] && [ -e /usr/include/fmt/format.h ] && [ -e /usr/include/gtest/gtest.h ] && [ -e /usr/include/nlohmann/json.hpp ] &&
+   [ -e /usr/include/pcre2.h ] && [ -e /usr/include/utf8proc.h ] && [ -e /usr/include/CLI/CLI.hpp ]; then
   echo "== building on this machine (build-gpu)"
-  if build build-gpu "$(nproc)" >"$out/build.log" 2>&1; then
-    mkdir -p build-gpu/run && cp build-gpu/tests/test_cuda build-gpu/bench/cuda_bench_* build-gpu/run/ && bin=build-gpu/run
+  if build build-gpu "$(nproc)" >"$work/build.log" 2>&1; then
+    mkdir -p build-gpu/run && cp build-gpu/tests/test_cuda build-gpu/bench/cuda_bench_* build-gpu/dsv4 build-gpu/run/ &&
+      bin=build-gpu/run
   else
-    echo "build failed (tail of $out/build.log):"; tail -20 "$out/build.log"
+    echo "build failed (tail of build.log):"; tail -20 "$work/build.log"
   fi
 fi
 if [ -z "$bin" ]; then
-  [ -x "$stage/test_cuda" ] || { echo "no build dependencies here and no staged $stage/ (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
-  echo "== build dependencies missing here: using the sm_90a binaries staged in $stage/"
-  bin="$stage"
-  libs="$PWD/$stage/lib"
+  [ -f "$stage/stage.tar.gz" ] || { echo "no build dependencies here and no $stage/stage.tar.gz (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
+  rm -rf "$work/stage" && mkdir -p "$work/stage" && tar -xzf "$stage/stage.tar.gz" -C "$work/stage" || exit 1
+  echo "== using the sm_90a binaries staged in $stage/"
+  bin="$work/stage"
+  libs="$bin/lib"
   for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
            "$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib")' 2>/dev/null)"; do
     [ -n "$d" ] && ls "$d"/libcublasLt.so* >/dev/null 2>&1 && libs="$libs:$d"
   done
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   if "$bin/test_cuda" --gtest_list_tests 2>&1 | grep -q GLIBCXX; then
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$PWD/$stage/compat"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$bin/compat"
   fi
-  ldd "$bin/test_cuda" "$bin/cuda_bench_prefill" >>"$out/env.txt" 2>&1
+  ldd "$bin/test_cuda" "$bin/dsv4" >>"$work/env.log" 2>&1
+fi
+bin="$(cd "$bin" && pwd)"
+
+# ---- the peer's build, in the background from the start ----------------------------------
+# In a session of its own (setsid), so that stopping it stops every compiler it started.
+llama_pid=""
+llama_bin="$work/llama/build/bin/llama-bench"
+stop_llama_build() {
+  [ -n "$llama_pid" ] && kill -0 "$llama_pid" 2>/dev/null && kill -- -"$llama_pid" 2>/dev/null
+  return 0
+}
+trap stop_llama_build EXIT
+if has llama; then
+  if [ -f "$llama_stage/llama.cpp.tar.gz" ]; then
+    cat >"$work/llama_build.sh" <<BUILD
+set -ex
+rm -rf "$work/llama" && mkdir -p "$work/llama"
+tar -xzf "$PWD/$llama_stage/llama.cpp.tar.gz" -C "$work/llama"
+cmake -S "$work/llama/llama.cpp" -B "$work/llama/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \\
+  -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DGGML_NATIVE=ON -DGGML_OPENMP=OFF -DGGML_CCACHE=OFF \\
+  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \\
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+cmake --build "$work/llama/build" -j "$(nproc)" --target llama-bench
+BUILD
+    setsid bash "$work/llama_build.sh" >"$work/llama_build.log" 2>&1 &
+    llama_pid=$!
+    echo "== llama.cpp $llama_version: CUDA build of llama-bench started in the background"
+  else
+    echo "llama: no $llama_stage/llama.cpp.tar.gz (run 'scripts/gpu.sh prepare' and carry $llama_stage)" |
+      tee -a "$work/steps.txt"
+  fi
 fi
 
-# One call may not fit every step in the device tool's 10 minutes: DSV4_GPU_CHECKS picks the
-# checks ("tests memcheck racecheck", default all three; "" for none) and DSV4_GPU_BENCHES the
-# benchmarks (below), e.g. DSV4_GPU_CHECKS=tests DSV4_GPU_BENCHES="" then
-# DSV4_GPU_CHECKS="memcheck racecheck" DSV4_GPU_BENCHES=moe in a second call.
-checks=" ${DSV4_GPU_CHECKS-tests memcheck racecheck} "
-status=0
-if [[ "$checks" == *" tests "* ]]; then
-  echo "== test_cuda"
-  "$bin/test_cuda" --gtest_color=no >"$out/test_cuda.log" 2>&1 || status=1
-  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|Failure|error|seed" "$out/test_cuda.log" | head -60
+# ---- checks (no timing: they share the machine with the build) ---------------------------
+if has tests; then
+  step test_cuda check:300 "$bin/test_cuda" --gtest_color=no
+  grep -aE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$work/test_cuda.log" | head -40
 fi
-if command -v compute-sanitizer >/dev/null && [[ "$checks" == *" memcheck "* ]]; then
-  echo "== compute-sanitizer memcheck (small checks)"
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
-    --gtest_filter='Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q3_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:Types/MmqTest.OddShapes*:Types/MmqTest.KSplit*/q8_0:CudaBackendOps.GetRows*:CudaBackendOps.RmsNorm*:CudaBackendOps.HyperConnections:CudaBackendOps.Hadamard*:CudaBackendOps.Route*:CudaBackendOps.CopyRows*:CudaAttentionOps.*:Cases/CudaAttention.*tiny_hca:Cases/CudaIndexer.*tiny' \
-    >"$out/memcheck.log" 2>&1
-  rc=$?; echo "memcheck exit $rc"; [ $rc -eq 0 ] || { status=1; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -10; }
-fi
-if command -v compute-sanitizer >/dev/null && [[ "$checks" == *" racecheck "* ]]; then
+if command -v compute-sanitizer >/dev/null; then
+  memcheck="${DSV4_GPU_MEMCHECK:-Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q3_K:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:Types/MmqTest.OddShapes*:Types/MmqTest.KSplit*/q8_0:CudaBackendOps.GetRows*:CudaBackendOps.RmsNorm*:CudaBackendOps.HyperConnections:CudaBackendOps.Hadamard*:CudaBackendOps.Route*:CudaBackendOps.CopyRows*:CudaAttentionOps.*:Cases/CudaAttention.*tiny_hca:Cases/CudaIndexer.*tiny}"
   # Shared-memory hazards of the staged kernels (tensor-core tiles, fused decode experts).
-  echo "== compute-sanitizer racecheck (shared-memory kernels)"
-  timeout 240 compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
-    --gtest_filter='Types/MmqTest.OddShapes*/q2_K:Types/MmqTest.KSplit*/q3_K:MoeDecode.*' \
-    >"$out/racecheck.log" 2>&1
-  rc=$?; echo "racecheck exit $rc"; [ $rc -eq 0 ] || { status=1; grep -E "ERROR SUMMARY|Race|FAILED" "$out/racecheck.log" | head -10; }
+  racecheck="${DSV4_GPU_RACECHECK:-Types/MmqTest.OddShapes*/q2_K:Types/MmqTest.KSplit*/q3_K:MoeDecode.*}"
+  if has memcheck; then
+    step memcheck check:240 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
+      --gtest_filter="$memcheck"
+    grep -aE "ERROR SUMMARY|^\[  (PASSED|FAILED) " "$work/memcheck.log" | head -5
+  fi
+  if has racecheck; then
+    step racecheck check:240 compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
+      --gtest_filter="$racecheck"
+    grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$work/racecheck.log" | head -5
+  fi
 fi
-# DSV4_GPU_BENCHES="matvec moe" runs only those benchmarks (unset: all four; "": none).
-for b in matvec:420 moe:300 prefill:120 attention:180; do
-  name=${b%%:*}; limit=${b##*:}
-  case " ${DSV4_GPU_BENCHES-matvec moe prefill attention} " in *" $name "*) ;; *) continue ;; esac
-  echo "== cuda_bench_$name"
-  timeout "$limit" "$bin/cuda_bench_$name" >"$out/bench_$name.log" 2>&1 || { status=1; echo "cuda_bench_$name failed:"; tail -5 "$out/bench_$name.log"; }
-done
+
+# Room in $shm for a synthetic file (dsv4 synth flags): /dev/shm holds half the RAM by
+# default, so it is grown (as root) when the file would not fit. Prints the number of
+# layers that fit (the flags' own when the file fits).
+shm_layers() {
+  local layers=$1 need have mem; shift
+  need=$("$bin/dsv4" synth "$@" --layers "$layers" --dry-run -o "$shm/probe.gguf" |
+         sed -n 's/.* \([0-9]*\) bytes of tensor data.*/\1/p')
+  [ -n "$need" ] || { echo "$layers"; return; }
+  have=$(df -B1 --output=avail "$shm" | tail -1)
+  if [ "$have" -lt $((need + (2 << 30))) ]; then
+    mem=$(awk '/MemTotal/{print $2 * 1024}' /proc/meminfo)
+    mount -o remount,size=$((mem * 92 / 100)) "$shm" >&2 &&
+      echo "$shm grown to $((mem * 92 / 100 >> 30)) GiB for $((need >> 30)) GiB" >&2
+    have=$(df -B1 --output=avail "$shm" | tail -1)
+  fi
+  if [ "$have" -lt $((need + (2 << 30))) ]; then
+    layers=$((layers * (have - (4 << 30)) / need))
+    echo "$shm has $((have >> 30)) GiB for $((need >> 30)) GiB: cut to $layers layers" >&2
+  fi
+  echo "$layers"
+}
+
+# ---- the peer: llama.cpp and dsv4 on the same cut of the geometry ------------------------
+cut="$shm/dsv4-flash$cut_layers.gguf"
+if has llama; then
+  step synth_cut 90 "$bin/dsv4" synth --preset flash --layers "$cut_layers" --no-mtp --recipe q2k \
+    --fill random-blocks --seed 1 --force -o "$cut"
+  grep -a "wrote" "$work/synth_cut.log"
+  if [ -n "$llama_pid" ]; then
+    echo "== waiting for the llama.cpp build (at $((SECONDS - start)) s)"
+    # The peer's two runs need about 100 s after the build.
+    while kill -0 "$llama_pid" 2>/dev/null && [ "$(cap 1000)" -gt 100 ]; do sleep 2; done
+    if kill -0 "$llama_pid" 2>/dev/null; then
+      stop_llama_build
+      echo "llama_build: stopped, over its share of the budget (at $((SECONDS - start)) s)" | tee -a "$work/steps.txt"
+    else
+      wait "$llama_pid"; rc=$?
+      echo "llama_build: $([ $rc -eq 0 ] && echo ok || echo failed) (exit $rc, done at $((SECONDS - start)) s)" |
+        tee -a "$work/steps.txt"
+      [ $rc -eq 0 ] || tail -20 "$work/llama_build.log"
+    fi
+    refresh_out
+  fi
+  if [ -x "$llama_bin" ] && [ -f "$cut" ]; then
+    step llama_bench 120 sh -c "'$llama_bin' -m '$cut' -ngl 99 -p 2048 -n 64 -d 0,4096,32768 -r 3 -o json \
+      >'$work/llama_bench.json'"
+    python3 -c "import json,sys; [print(f\"{t['n_prompt']:>5} {t['n_gen']:>3} d={t['n_depth']:<6} {t['avg_ts']:9.1f} tok/s\") for t in json.load(open(sys.argv[1]))]" \
+      "$work/llama_bench.json" 2>/dev/null
+  fi
+  if [ -f "$cut" ]; then
+    step dsv4_cut 120 "$bin/dsv4" bench -m "$cut" --backend cuda --label "flash$cut_layers" \
+      --parts decode,prefill --depths 0,4096,32768 --prefill 2048 --chunk 2048 --json "$work/dsv4_cut.json"
+    grep -a '^TABLE|' "$work/dsv4_cut.log" | cut -d'|' -f3-6
+  fi
+  if [ -f "$work/llama_bench.json" ] && [ -f "$work/dsv4_cut.json" ]; then
+    step peer 20 python3 scripts/bench_peer.py "$work/llama_bench.json" "$work/dsv4_cut.json"
+  fi
+  rm -f "$cut"  # room for the whole geometry
+fi
+stop_llama_build
+reserve=0
+
+# ---- dsv4 on the whole V4-Flash geometry -------------------------------------------------
+if has flash; then
+  flash_flags=(--preset flash --no-mtp --recipe q2k --fill random-blocks --seed 1)
+  layers=$(shm_layers "${DSV4_GPU_FLASH_LAYERS:-43}" "${flash_flags[@]}")
+  flash="$shm/dsv4-flash$layers.gguf"
+  step synth_flash 120 "$bin/dsv4" synth "${flash_flags[@]}" --layers "$layers" --force -o "$flash"
+  grep -a "wrote" "$work/synth_flash.log"
+  if [ -f "$flash" ]; then
+    step dsv4_flash 300 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" \
+      --depths 4096,32768,131072 --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
+      --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
+    grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
+  fi
+  rm -f "$flash"
+fi
+
+# ---- kernel benchmarks, with what is left ------------------------------------------------
+if has kernels; then
+  # DSV4_GPU_BENCHES="matvec moe" runs only those (unset: all; "": none).
+  for exe in "$bin"/cuda_bench_*; do
+    name=${exe##*/cuda_bench_}
+    case " ${DSV4_GPU_BENCHES-$name} " in *" $name "*) ;; *) continue ;; esac
+    case $name in matvec) limit=420 ;; moe) limit=300 ;; prefill) limit=120 ;; *) limit=180 ;; esac
+    step "bench_$name" "$limit" "$exe"
+  done
+fi
 
 echo
-echo "== table (value, ratio: matvec GB/s over the copy bandwidth; moe decode us, byte bound over time;"
-echo "   moe batched us, weight GB/s over the read bandwidth; prefill TFLOP/s over cuBLAS BF16;"
-echo "   attention us, the byte or FLOP bound over time)"
-cat "$out"/bench_*.log 2>/dev/null | grep '^TABLE|' | tee "$out/table.txt" |
-  awk -F'|' '{printf "%-9s %-52s %10s %-7s %6s  %s\n", $2, $3, $4, $5, $6, $7}'
-[ -f "$out/test_cuda.log" ] && grep -E "^\[  (PASSED|FAILED) " "$out/test_cuda.log"
-exit $status
+echo "== steps"
+cat "$work/steps.txt"
+echo
+echo "== table (value, unit, ratio to its bound: dsv4 decode over the byte bound, prefill over the BF16"
+echo "   tensor-core bound; peer: dsv4 / llama.cpp on the same file; kernels: see each bench's header)"
+refresh_out
+awk -F'|' '{printf "%-10s %-58s %10s %-8s %6s  %s\n", $2, $3, $4, $5, $6, substr($7, 1, 90)}' "$work/table.txt"
+! grep -q "failed\|timed out" "$work/steps.txt"

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -321,6 +322,27 @@ class Backend {
   virtual Status begin_capture() { return Status::error(StatusCode::kInternal, name() + ": no graphs"); }
   virtual Status end_capture(int64_t /*id*/) { return Status::error(StatusCode::kInternal, name() + ": no graphs"); }
   virtual Status replay(int64_t /*id*/) { return Status::error(StatusCode::kInternal, name() + ": no graphs"); }
+
+  // --- timing (benchmarks) -----------------------------------------------------------------
+  // A point in the backend's queue of work: elapsed_ms(a, b) is the time the work enqueued
+  // between the two took, as the device saw it. The default, for backends that compute in
+  // their calls (the CPU), reads the host clock; a device backend records an event on its
+  // stream, so host work that overlaps the device's is not counted twice and nothing waits
+  // until elapsed_ms, which waits for `end`.
+  struct TimePoint {
+    double host_ms = 0;           // the host clock when the point was taken
+    std::shared_ptr<void> event;  // the device backend's event, if any
+  };
+  virtual Result<TimePoint> time_point() { return TimePoint{host_clock_ms(), nullptr}; }
+  virtual Result<double> elapsed_ms(const TimePoint& begin, const TimePoint& end) {
+    return end.host_ms - begin.host_ms;
+  }
+  // Waits until everything enqueued has finished (nothing to wait for on the CPU).
+  virtual Status synchronize() { return Status::ok(); }
+
+  static double host_clock_ms() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
 };
 
 }  // namespace dsv4::backend

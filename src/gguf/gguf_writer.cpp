@@ -1,14 +1,20 @@
 #include "gguf/gguf_writer.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <mutex>
 
 #include "gguf/gguf_file.h"
 #include "gguf/gguf_split.h"
+#include "util/thread_pool.h"
 
 namespace dsv4::gguf {
 
@@ -383,6 +389,60 @@ Status GgufWriter::write_tensor_data(std::span<const uint8_t> bytes) {
                                  t.name, bytes.size(), left, t.nbytes));
   if (Status s = w.write_raw(bytes.data(), bytes.size()); !s) return w.fail(s);
   w.written_in_tensor += bytes.size();
+  if (Status s = w.advance_if_complete(); !s) return w.fail(s);
+  return Status::ok();
+}
+
+Status GgufWriter::write_tensor_data_parallel(uint64_t bytes, uint64_t piece_bytes,
+                                              const std::function<void(uint64_t, std::span<uint8_t>)>& produce,
+                                              ThreadPool& pool) {
+  Impl& w = *impl_;
+  if (w.state == Impl::State::kFailed) return w.failure;
+  if (w.state != Impl::State::kWriting)
+    return Status::errorf("{}: write_tensor_data_parallel outside begin()..finish()", w.path);
+  if (w.next_tensor >= w.tensors.size())
+    return w.fail(Status::errorf("{}: {} bytes given after all {} declared tensors are complete", w.path, bytes,
+                                 w.tensors.size()));
+  const DeclaredTensor& t = w.tensors[w.next_tensor];
+  const uint64_t left = t.nbytes - w.written_in_tensor;
+  if (bytes > left)
+    return w.fail(Status::errorf("{}: tensor '{}': {} bytes given but only {} of its {} bytes remain", w.path, t.name,
+                                 bytes, left, t.nbytes));
+  if (piece_bytes == 0) return w.fail(Status::errorf("{}: tensor '{}': pieces of 0 bytes", w.path, t.name));
+  const std::string& temp = w.parts[w.current_part].temp_path;
+  if (std::fflush(w.out) != 0) return w.fail(Status::errorf("{}: write failed: {}", temp, errno_text()));
+  const int fd = fileno(w.out);
+  const off_t base = ftello(w.out);
+  if (base < 0) return w.fail(Status::errorf("{}: cannot read the file position: {}", temp, errno_text()));
+
+  const int64_t n_pieces = static_cast<int64_t>((bytes + piece_bytes - 1) / piece_bytes);
+  std::vector<std::vector<uint8_t>> buffers(pool.size());
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  Status error;
+  pool.parallel_for(n_pieces, [&](int64_t begin, int64_t end, int thread) {
+    std::vector<uint8_t>& buffer = buffers[thread];
+    for (int64_t p = begin; p < end && !failed.load(std::memory_order_relaxed); ++p) {
+      const uint64_t offset = static_cast<uint64_t>(p) * piece_bytes;
+      const size_t size = static_cast<size_t>(std::min(piece_bytes, bytes - offset));
+      buffer.resize(size);
+      produce(offset, std::span<uint8_t>(buffer.data(), size));
+      for (size_t done = 0; done < size;) {
+        const ssize_t n = ::pwrite(fd, buffer.data() + done, size - done, base + static_cast<off_t>(offset + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!failed.exchange(true)) error = Status::errorf("{}: write failed: {}", temp, n < 0 ? errno_text() : "no progress");
+          break;
+        }
+        done += static_cast<size_t>(n);
+      }
+    }
+  });
+  if (failed.load()) return w.fail(error);
+  if (fseeko(w.out, base + static_cast<off_t>(bytes), SEEK_SET) != 0)
+    return w.fail(Status::errorf("{}: cannot seek: {}", temp, errno_text()));
+  w.written_in_tensor += bytes;
   if (Status s = w.advance_if_complete(); !s) return w.fail(s);
   return Status::ok();
 }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -21,6 +22,8 @@
 #include "gguf/ggml_types.h"
 #include "gguf/gguf_value.h"
 #include "util/status.h"
+
+namespace dsv4 { class ThreadPool; }
 
 namespace dsv4::gguf {
 
@@ -43,6 +46,15 @@ class GgufWriter {
 
   Status begin();
   Status write_tensor_data(std::span<const uint8_t> bytes);
+  // The next `bytes` of the due tensor (at most what remains of it), made by
+  // produce(offset, piece) for consecutive pieces of `piece_bytes` (the last may be shorter;
+  // offset counts from the first of these bytes), on the pool's threads, each piece written
+  // at its place with pwrite: the file is the same as with write_tensor_data of the pieces
+  // in order, written by every thread at once (random benchmark weights at memory speed).
+  // `produce` must be safe to call from several threads.
+  Status write_tensor_data_parallel(uint64_t bytes, uint64_t piece_bytes,
+                                    const std::function<void(uint64_t, std::span<uint8_t>)>& produce,
+                                    ThreadPool& pool);
   Status finish();
 
   // Paths of the files finish() produced (one, or the split parts).

@@ -5,9 +5,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <span>
+
+#include "util/counter_rng.h"
+#include "util/thread_pool.h"
 
 namespace dsv4 {
 
@@ -356,6 +361,50 @@ Result<std::vector<float>> KvCache::read_rows(const Sequence& seq, int32_t list,
     r = end;
   }
   return out;
+}
+
+namespace {
+
+// Values uniform in [-sqrt 3, sqrt 3) (unit variance), element i of the part keyed by `key`.
+void random_unit_values(uint64_t key, std::span<float> out) {
+  const int64_t n = static_cast<int64_t>(out.size());
+  ThreadPool::global().parallel_for(n, [&](int64_t begin, int64_t end, int) {
+    for (int64_t i = begin; i < end; ++i)
+      out[i] = static_cast<float>((2 * unit_double(splitmix64(key + static_cast<uint64_t>(i))) - 1) * std::sqrt(3.0));
+  }, 1 << 16);
+}
+
+}  // namespace
+
+Status KvCache::fill_random(Sequence& seq, int64_t position, uint64_t seed) {
+  if (seq.cache_ != this) return Status::error(StatusCode::kInternal, "cache: sequence from another cache");
+  if (seq.position_ != 0) return Status::errorf("cache: fill_random needs an empty sequence, not one at position {}", seq.position_);
+  DSV4_TRY(prepare(seq, position));
+  DSV4_TRY(sync());
+  std::vector<float> host;
+  const auto fill = [&](const Tensor& t, uint64_t key) -> Status {
+    host.resize(static_cast<size_t>(t.rows() * t.cols()));
+    random_unit_values(key, host);
+    return be_.upload(t, host.data(), host.size() * sizeof(float));
+  };
+  uint64_t part = 0;  // each part of the slot gets its own key
+  for (const Tensor& r : rings_) DSV4_TRY(fill(r.slice(seq.slot_ * window_, window_), mix_keys(seed, ++part)));
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    const int64_t rows = state_rows_[s];
+    DSV4_TRY(fill(states_kv_[s].slice(seq.slot_ * rows, rows), mix_keys(seed, ++part)));
+    DSV4_TRY(fill(states_score_[s].slice(seq.slot_ * rows, rows), mix_keys(seed, ++part)));
+  }
+  for (size_t l = 0; l < seq.pages_.size(); ++l) {
+    const Pool& pool = *pools_[tables_[l].pool];
+    const uint64_t list_key = mix_keys(seed, ++part);
+    for (size_t i = 0; i < seq.pages_[l].size(); ++i)
+      if (seq.pages_[l][i] >= 0)
+        DSV4_TRY(fill(pool.data.slice(int64_t{seq.pages_[l][i]} * pool.page_rows, pool.page_rows),
+                      mix_keys(list_key, i)));
+  }
+  seq.position_ = position;
+  seq.mtp_position_ = seq.with_mtp_ ? position : 0;
+  return Status::ok();
 }
 
 Result<SlotSnapshot> KvCache::snapshot(const Sequence& seq) {

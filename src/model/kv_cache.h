@@ -84,6 +84,12 @@ class KvCache {
   // Rewinds seq to the snapshot: rings and states restored, rows past it released.
   Status restore(Sequence& seq, const SlotSnapshot& snap);
 
+  // Benchmarks only (Model::fill_for_benchmark): an empty `seq` as if it had processed
+  // `position` tokens: pages through `position` committed, every ring, state and row of it
+  // random finite values (counter-based, keyed by `seed`), positions set. On failure the
+  // sequence keeps position 0.
+  Status fill_random(Sequence& seq, int64_t position, uint64_t seed);
+
   uint64_t page_bytes(int32_t list) const;
   uint64_t referenced_bytes(const Sequence& seq) const;
 

@@ -190,6 +190,14 @@ uint64_t SequenceSnapshot::bytes() const {
   return n;
 }
 
+Status Model::fill_for_benchmark(Sequence& seq, int64_t position, uint64_t seed) const {
+  if (seq.cache_ != cache_.get()) return Status::error("fill_for_benchmark: the sequence belongs to another model");
+  if (position < 0 || static_cast<uint64_t>(position) > seq.max_context())
+    return Status::errorf(StatusCode::kOutOfRange, "fill_for_benchmark: position {} outside the sequence's context of {}",
+                          position, seq.max_context());
+  return cache_->fill_random(seq, position, seed);
+}
+
 Result<SequenceSnapshot> Model::snapshot(const Sequence& seq) const {
   if (seq.cache_ != cache_.get()) return Status::error("snapshot: the sequence belongs to another model");
   SequenceSnapshot s;

@@ -154,6 +154,13 @@ class Model {
   // bit-identical to a sequence that never went further.
   Status restore(Sequence& seq, const SequenceSnapshot& snap) const;
 
+  // Benchmarks only: moves an empty sequence to `position` without computing anything, so
+  // later steps cost what they cost at that context depth: its cache pages through
+  // `position` are committed and its window rings, compressor states and compressed rows
+  // hold random finite values (a function of `seed`), not what any tokens would leave.
+  // Decoding on from there is well defined and finite, and meaningless as text.
+  Status fill_for_benchmark(Sequence& seq, int64_t position, uint64_t seed) const;
+
   const ModelPlan& plan() const { return plan_; }
   KvCache& cache() const { return *cache_; }
 

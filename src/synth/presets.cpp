@@ -343,4 +343,13 @@ Result<ModelConfig> keep_first_layers(const ModelConfig& config, uint32_t n_laye
   return c;
 }
 
+ModelConfig without_mtp(const ModelConfig& config) {
+  ModelConfig c = config;
+  c.n_mtp = 0;
+  c.compress_ratios.resize(c.n_layers);
+  c.swiglu_limit.resize(std::min<size_t>(c.swiglu_limit.size(), c.n_layers));
+  c.swiglu_limit_shared.resize(std::min<size_t>(c.swiglu_limit_shared.size(), c.n_layers));
+  return c;
+}
+
 }  // namespace dsv4

@@ -40,4 +40,8 @@ ModelConfig flash41_config();
 // targets beyond it move to the last kept layer.
 Result<ModelConfig> keep_first_layers(const ModelConfig& config, uint32_t n_layers);
 
+// The trunk alone: no MTP block (a trunk-only file, as llama.cpp loads one without its
+// sidecar).
+ModelConfig without_mtp(const ModelConfig& config);
+
 }  // namespace dsv4

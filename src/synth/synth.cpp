@@ -6,16 +6,19 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <span>
 
 #include "gguf/gguf_value.h"
 #include "gguf/gguf_writer.h"
 #include "gguf/quant.h"
 #include "model/engram.h"
 #include "model/engram_table.h"
+#include "synth/random_blocks.h"
 #include "text/builtin_tokenizer.h"
 #include "text/engram_vocab.h"
 #include "text/tokenizer_json.h"
 #include "util/float_formats.h"
+#include "util/counter_rng.h"
 #include "util/thread_pool.h"
 
 namespace dsv4 {
@@ -23,26 +26,11 @@ namespace {
 
 // ---- Counter-based random numbers (same values on every platform and thread count) ----
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-uint64_t hash_name(std::string_view s) {  // FNV-1a
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ULL;
-  return h;
-}
-
-uint64_t mix(uint64_t a, uint64_t b) { return splitmix64(a ^ splitmix64(b)); }
-
 class RowRng {
  public:
   explicit RowRng(uint64_t key) : state_(key) {}
   uint64_t next() { return splitmix64(state_++); }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double uniform() { return unit_double(next()); }  // [0, 1)
   float normal() {
     if (has_spare_) {
       has_spare_ = false;
@@ -64,7 +52,7 @@ class RowRng {
 
 // A uniform draw in [lo, hi) fixed by a key (for per-block scale factors).
 double keyed_uniform(uint64_t key, double lo, double hi) {
-  return lo + (hi - lo) * static_cast<double>(splitmix64(key) >> 11) * 0x1.0p-53;
+  return lo + (hi - lo) * unit_double(splitmix64(key));
 }
 
 // ---- The fixture's recipe ----
@@ -82,10 +70,10 @@ void fill_normal(RowRng& rng, float* out, uint64_t n, float mean, float stddev) 
 // N(0,1)/sqrt(fan_in) times 2^U(-1,1) per 128x128 block, as the fixture's FP8 linears.
 void fill_dense_linear(const RowContext& ctx, uint64_t row, float* out, double fan_in) {
   const uint64_t n = ctx.spec.ne[0];
-  RowRng rng(mix(ctx.tensor_key, row));
+  RowRng rng(mix_keys(ctx.tensor_key, row));
   const float base = static_cast<float>(1.0 / std::sqrt(fan_in));
   for (uint64_t col0 = 0; col0 < n; col0 += 128) {
-    const uint64_t block_key = mix(mix(ctx.tensor_key ^ 0xb10c, row / 128), col0 / 128);
+    const uint64_t block_key = mix_keys(mix_keys(ctx.tensor_key ^ 0xb10c, row / 128), col0 / 128);
     const float scale = base * static_cast<float>(std::exp2(keyed_uniform(block_key, -1, 1)));
     for (uint64_t col = col0; col < std::min(n, col0 + 128); ++col) out[col] = scale * rng.normal();
   }
@@ -93,18 +81,20 @@ void fill_dense_linear(const RowContext& ctx, uint64_t row, float* out, double f
 
 // Routed experts: N/sqrt(in) times 2^U(-0.5,0.5) per (row, 32 columns). Experts 3 and 7 of
 // every 8 get gains 3.5 and 5 (gate/up x gain, down / gain^2) so the SwiGLU clamp triggers.
-void fill_expert_row(const RowContext& ctx, uint64_t row, float* out) {
-  const uint64_t n = ctx.spec.ne[0], rows_per_expert = ctx.spec.ne[1];
-  const uint64_t expert = row / rows_per_expert;
-  RowRng rng(mix(ctx.tensor_key, row));
+float expert_row_factor(const TensorSpec& spec, uint64_t row) {
+  const uint64_t expert = row / spec.ne[1];
   float gain = 1.0f;
   if (expert % 8 == 3) gain = 3.5f;
   if (expert % 8 == 7) gain = 5.0f;
-  const bool down = ctx.spec.block_kind == BlockTensor::FfnDownExps;
-  const float factor = down ? 1.0f / (gain * gain) : gain;
-  const float base = factor / std::sqrt(static_cast<float>(n));
+  return spec.block_kind == BlockTensor::FfnDownExps ? 1.0f / (gain * gain) : gain;
+}
+
+void fill_expert_row(const RowContext& ctx, uint64_t row, float* out) {
+  const uint64_t n = ctx.spec.ne[0];
+  RowRng rng(mix_keys(ctx.tensor_key, row));
+  const float base = expert_row_factor(ctx.spec, row) / std::sqrt(static_cast<float>(n));
   for (uint64_t col0 = 0; col0 < n; col0 += 32) {
-    const uint64_t group_key = mix(mix(ctx.tensor_key ^ 0x9e0, row), col0 / 32);
+    const uint64_t group_key = mix_keys(mix_keys(ctx.tensor_key ^ 0x9e0, row), col0 / 32);
     const float scale = base * static_cast<float>(std::exp2(keyed_uniform(group_key, -0.5, 0.5)));
     for (uint64_t col = col0; col < std::min(n, col0 + 32); ++col) out[col] = scale * rng.normal();
   }
@@ -115,7 +105,7 @@ void fill_tid2eid_row(const RowContext& ctx, uint64_t row, float* out) {
   const uint32_t n_experts = ctx.c.n_experts;
   std::vector<uint32_t> perm(n_experts);
   for (uint32_t i = 0; i < n_experts; ++i) perm[i] = i;
-  RowRng rng(mix(ctx.tensor_key, row));
+  RowRng rng(mix_keys(ctx.tensor_key, row));
   const uint64_t k = ctx.spec.ne[0];
   for (uint64_t i = 0; i < k; ++i) {
     const uint64_t j = i + rng.next() % (n_experts - i);
@@ -130,7 +120,7 @@ void fill_row(const RowContext& ctx, uint64_t row, float* out) {
   const uint64_t n = spec.ne[0];
   const double D = c.hidden;
   const double hc_in = static_cast<double>(c.hidden) * c.hc_mult;
-  RowRng rng(mix(ctx.tensor_key, row));
+  RowRng rng(mix_keys(ctx.tensor_key, row));
 
   if (spec.global_kind) {
     switch (*spec.global_kind) {
@@ -247,7 +237,7 @@ void fill_row(const RowContext& ctx, uint64_t row, float* out) {
     case BT::EngramEmbd: {
       // N times 2^U(-1,1) per (row, 32 values).
       for (uint64_t col0 = 0; col0 < n; col0 += 32) {
-        const float scale = static_cast<float>(std::exp2(keyed_uniform(mix(mix(ctx.tensor_key, row), col0), -1, 1)));
+        const float scale = static_cast<float>(std::exp2(keyed_uniform(mix_keys(mix_keys(ctx.tensor_key, row), col0), -1, 1)));
         for (uint64_t col = col0; col < std::min(n, col0 + 32); ++col) out[col] = scale * rng.normal();
       }
       return;
@@ -304,6 +294,7 @@ Status write_v41_engram_metadata(gguf::GgufWriter& writer, const ModelConfig& c)
 
 constexpr uint64_t kChunkBytes = uint64_t{32} << 20;
 constexpr uint64_t kGrainElements = 1 << 16;  // values per parallel work item, at least
+constexpr uint64_t kPieceBytes = uint64_t{8} << 20;  // random blocks: bytes per write, at most
 
 }  // namespace
 
@@ -337,9 +328,50 @@ std::vector<const TensorSpec*> synth_tensor_list(const TensorCatalog& catalog) {
   return out;
 }
 
+float synth_row_std(const ModelConfig& c, const TensorSpec& spec, uint64_t row) {
+  const double n = static_cast<double>(spec.ne[0]);
+  const double D = c.hidden, hc_in = static_cast<double>(c.hidden) * c.hc_mult;
+  double sd = 1 / std::sqrt(n);  // the dense linears (fill_dense_linear)
+  if (spec.global_kind) {
+    switch (*spec.global_kind) {
+      case GlobalTensor::TokenEmbd: sd = 1; break;
+      case GlobalTensor::Output: sd = 1 / std::sqrt(D); break;
+      case GlobalTensor::OutputHcFn: sd = 1.5 / std::sqrt(hc_in); break;
+      default: break;
+    }
+    return static_cast<float>(sd);
+  }
+  using BT = BlockTensor;
+  switch (*spec.block_kind) {
+    case BT::AttnOutputB: sd = 2 / std::sqrt(n); break;
+    case BT::FfnGateShexp:
+    case BT::FfnUpShexp: sd = 3 / std::sqrt(n); break;
+    case BT::FfnDownShexp: sd = 1 / (9 * std::sqrt(n)); break;
+    case BT::NextnEhProj: sd = 1 / std::sqrt(D); break;
+    case BT::CompressorKv:
+    case BT::IndexerCompressorKv:
+    case BT::IndexerProj:
+    case BT::NextnSharedHeadHead: sd = 1 / std::sqrt(D); break;
+    case BT::CompressorGate:
+    case BT::IndexerCompressorGate:
+    case BT::FfnGateInp: sd = 1.5 / std::sqrt(D); break;
+    case BT::CompressorApe:
+    case BT::IndexerCompressorApe: sd = 0.5; break;
+    case BT::HcAttnFn:
+    case BT::HcFfnFn:
+    case BT::NextnHcHeadFn: sd = 1.5 / std::sqrt(hc_in); break;
+    case BT::NextnEmbedTokens: sd = 1; break;
+    case BT::FfnGateExps:
+    case BT::FfnUpExps:
+    case BT::FfnDownExps: sd = expert_row_factor(spec, row) / std::sqrt(n); break;
+    default: break;
+  }
+  return static_cast<float>(sd);
+}
+
 void synth_rows(const ModelConfig& config, const TensorSpec& spec, uint64_t seed, uint64_t row,
                 uint64_t n_rows, float* out) {
-  const RowContext ctx{config, spec, mix(seed, hash_name(spec.name))};
+  const RowContext ctx{config, spec, mix_keys(seed, hash_name(spec.name))};
   for (uint64_t r = 0; r < n_rows; ++r) fill_row(ctx, row + r, out + r * spec.ne[0]);
 }
 
@@ -352,9 +384,82 @@ struct SynthFile {
   std::vector<std::pair<const TensorSpec*, std::string>> tensors;
 };
 
+// Rows of the tensor between row0 and row0 + rows, drawn and quantised (the normal fill).
+void draw_rows(const RowContext& ctx, GgmlType type, uint64_t row0, uint64_t rows, uint64_t row_bytes,
+               ThreadPool& pool, std::vector<std::vector<float>>& scratch, uint8_t* out) {
+  const uint64_t n = ctx.spec.ne[0];
+  pool.parallel_for(static_cast<int64_t>(rows), [&](int64_t begin, int64_t end, int thread) {
+    std::vector<float>& values = scratch[thread];
+    values.resize(n);
+    for (int64_t r = begin; r < end; ++r) {
+      fill_row(ctx, row0 + r, values.data());
+      uint8_t* dst = out + r * row_bytes;
+      if (type == GgmlType::I8) {
+        encode_fp8_engram_row(values.data(), static_cast<uint32_t>(n), dst);
+      } else if (type == GgmlType::I32) {
+        for (uint64_t k = 0; k < n; ++k) {
+          const int32_t v = static_cast<int32_t>(values[k]);
+          std::memcpy(dst + 4 * k, &v, 4);
+        }
+      } else {
+        quantize_row(type, values.data(), dst, static_cast<int64_t>(n));
+      }
+    }
+  }, std::max<int64_t>(1, static_cast<int64_t>(kGrainElements / n)));
+}
+
+// Random blocks (SynthFill::RandomBlocks), the writer's pieces produced and written by every
+// thread of the pool: whole rows per piece, a few pieces per thread.
+Status write_random_blocks(const RowContext& ctx, GgmlType type, uint64_t n_rows, uint64_t row_bytes,
+                           ThreadPool& pool, gguf::GgufWriter& writer) {
+  const uint64_t blocks_per_row = ctx.spec.ne[0] / ggml_traits(type).block_elems;
+  const uint64_t want_rows = n_rows / (4 * static_cast<uint64_t>(pool.size())) + 1;
+  const uint64_t piece_rows = std::clamp<uint64_t>(want_rows, 1, std::max<uint64_t>(1, kPieceBytes / row_bytes));
+  return writer.write_tensor_data_parallel(
+      n_rows * row_bytes, piece_rows * row_bytes,
+      [&](uint64_t offset, std::span<uint8_t> piece) {
+        const uint64_t row0 = offset / row_bytes, rows = piece.size() / row_bytes;
+        std::vector<float> row_std(rows);
+        for (uint64_t r = 0; r < rows; ++r) row_std[r] = synth_row_std(ctx.c, ctx.spec, row0 + r);
+        fill_random_blocks(type, ctx.tensor_key, row0 * blocks_per_row, blocks_per_row, row_std, piece.data());
+      },
+      pool);
+}
+
+// The element type of each tensor of a file, with the notes on fallbacks.
+Result<std::vector<GgmlType>> tensor_types(const SynthFile& file, const SynthOptions& opts, SynthReport& report) {
+  std::vector<GgmlType> types;
+  for (const auto& [spec, name] : file.tensors) {
+    std::string note;
+    if (opts.tensor_type) {
+      DSV4_ASSIGN_OR_RETURN(GgmlType t, opts.tensor_type(*spec, &note));
+      types.push_back(t);
+    } else {
+      types.push_back(synth_tensor_type(*spec, opts.expert_type, opts.dense_type, &note));
+    }
+    if (!note.empty()) report.notes.push_back(std::move(note));
+  }
+  return types;
+}
+
+bool gets_random_blocks(const SynthOptions& opts, const TensorSpec& spec, GgmlType type) {
+  return opts.fill == SynthFill::RandomBlocks && spec.type_class == TypeClass::Matrix &&
+         random_blocks_supported(type);
+}
+
 Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t& done, size_t total,
                         SynthReport& report) {
   const ModelConfig& c = opts.config;
+  DSV4_ASSIGN_OR_RETURN(std::vector<GgmlType> types, tensor_types(file, opts, report));
+  if (opts.dry_run) {
+    for (size_t i = 0; i < file.tensors.size(); ++i) {
+      const TensorSpec& spec = *file.tensors[i].first;
+      report.data_bytes += *ggml_row_bytes(types[i], stored_shape(spec, types[i])[0]) * (spec.n_elements() / spec.ne[0]);
+      ++report.n_tensors;
+    }
+    report.paths.push_back(file.path);
+    return Status::ok();
+  }
   gguf::WriterOptions wopts;
   wopts.overwrite = opts.overwrite;
   gguf::GgufWriter writer(file.path, wopts);
@@ -362,6 +467,7 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
   if (!opts.preset_name.empty()) writer.set(std::string(kSynthPresetKey), gguf::Value::string(opts.preset_name));
   writer.set(std::string(kSynthSeedKey), gguf::Value::u64(opts.seed));
   writer.set(std::string(kSynthVersionKey), gguf::Value::u32(kSynthVersion));
+  if (opts.fill == SynthFill::RandomBlocks) writer.set(std::string(kSynthFillKey), gguf::Value::string("random-blocks"));
   if (opts.write_tokenizer) {
     text::TokenizerJsonOptions topts;
     topts.min_vocab_size = c.vocab_size;
@@ -371,13 +477,8 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
 
   if (c.engram && file.part != GgufPart::MtpSidecar) DSV4_TRY(write_v41_engram_metadata(writer, c));
 
-  std::vector<GgmlType> types;
-  for (const auto& [spec, name] : file.tensors) {
-    std::string note;
-    types.push_back(synth_tensor_type(*spec, opts.expert_type, opts.dense_type, &note));
-    if (!note.empty()) report.notes.push_back(std::move(note));
-    DSV4_TRY(writer.add_tensor(name, types.back(), stored_shape(*spec, types.back())));
-  }
+  for (size_t i = 0; i < file.tensors.size(); ++i)
+    DSV4_TRY(writer.add_tensor(file.tensors[i].second, types[i], stored_shape(*file.tensors[i].first, types[i])));
   DSV4_TRY(writer.begin());
 
   ThreadPool& pool = opts.pool ? *opts.pool : ThreadPool::global();
@@ -386,35 +487,22 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
   for (size_t i = 0; i < file.tensors.size(); ++i) {
     const TensorSpec& spec = *file.tensors[i].first;
     const GgmlType type = types[i];
-    const uint64_t n = spec.ne[0];
     const uint64_t row_bytes = *ggml_row_bytes(type, stored_shape(spec, type)[0]);
-    const uint64_t n_rows = spec.n_elements() / n;
-    const uint64_t rows_per_chunk = std::max<uint64_t>(1, kChunkBytes / row_bytes);
+    const uint64_t n_rows = spec.n_elements() / spec.ne[0];
     // Keyed by the catalog name, so a tensor has the same values in whichever file it lands.
-    const RowContext ctx{c, spec, mix(opts.seed, hash_name(spec.name))};
-    for (uint64_t row0 = 0; row0 < n_rows; row0 += rows_per_chunk) {
-      const uint64_t rows = std::min(rows_per_chunk, n_rows - row0);
-      chunk.resize(rows * row_bytes);
-      pool.parallel_for(static_cast<int64_t>(rows), [&](int64_t begin, int64_t end, int thread) {
-        std::vector<float>& values = scratch[thread];
-        values.resize(n);
-        for (int64_t r = begin; r < end; ++r) {
-          fill_row(ctx, row0 + r, values.data());
-          uint8_t* dst = chunk.data() + r * row_bytes;
-          if (type == GgmlType::I8) {
-            encode_fp8_engram_row(values.data(), static_cast<uint32_t>(n), dst);
-          } else if (type == GgmlType::I32) {
-            for (uint64_t k = 0; k < n; ++k) {
-              const int32_t v = static_cast<int32_t>(values[k]);
-              std::memcpy(dst + 4 * k, &v, 4);
-            }
-          } else {
-            quantize_row(type, values.data(), dst, static_cast<int64_t>(n));
-          }
-        }
-      }, std::max<int64_t>(1, static_cast<int64_t>(kGrainElements / n)));
-      DSV4_TRY(writer.write_tensor_data(chunk));
-      report.data_bytes += chunk.size();
+    const RowContext ctx{c, spec, mix_keys(opts.seed, hash_name(spec.name))};
+    if (gets_random_blocks(opts, spec, type)) {
+      DSV4_TRY(write_random_blocks(ctx, type, n_rows, row_bytes, pool, writer));
+      report.data_bytes += n_rows * row_bytes;
+    } else {
+      const uint64_t rows_per_chunk = std::max<uint64_t>(1, kChunkBytes / row_bytes);
+      for (uint64_t row0 = 0; row0 < n_rows; row0 += rows_per_chunk) {
+        const uint64_t rows = std::min(rows_per_chunk, n_rows - row0);
+        chunk.resize(rows * row_bytes);
+        draw_rows(ctx, type, row0, rows, row_bytes, pool, scratch, chunk.data());
+        DSV4_TRY(writer.write_tensor_data(chunk));
+        report.data_bytes += chunk.size();
+      }
     }
     ++report.n_tensors;
     if (opts.on_progress) opts.on_progress(++done, total, report.data_bytes);

@@ -9,6 +9,7 @@
 #include "gguf_test_files.h"
 #include "support/test_support.h"
 #include "util/mapped_file.h"
+#include "util/thread_pool.h"
 
 namespace dsv4::gguf {
 namespace {
@@ -404,6 +405,55 @@ TEST_F(GgufWriterTest, RejectsSplitKeysSetByTheCaller) {
   Status s = w.begin();
   ASSERT_FALSE(s);
   EXPECT_NE(s.message().find("'split.count'"), std::string::npos) << s.message();
+}
+
+// Tensor data produced in parallel pieces (pwrite at each piece's place) gives the same file
+// as the same bytes streamed in order, mixed with ordinary writes and the alignment padding,
+// split parts included; more bytes than the tensor has left are refused.
+TEST_F(GgufWriterTest, ParallelPiecesWriteTheSameFile) {
+  SCOPED_TRACE(dsv4::test::test_seed());
+  const auto md = every_type_metadata();
+  for (uint64_t split : {uint64_t{0}, uint64_t{600}}) {
+    WriterOptions opts;
+    opts.split_max_bytes = split;
+    std::vector<std::string> want_paths;
+    ASSERT_TRUE(write_file(dir_ / "serial.gguf", md, tensors_, opts, 7, &want_paths).is_ok());
+    ThreadPool pool(3);
+    GgufWriter w(dir_ / "parallel.gguf", opts);
+    for (const auto& [k, v] : md) w.set(k, v);
+    for (const auto& t : tensors_) ASSERT_TRUE(w.add_tensor(t.name, t.type, t.ne).is_ok());
+    ASSERT_TRUE(w.begin().is_ok());
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      const auto& bytes = tensors_[i].bytes;
+      if (i % 2 == 1) {  // every other tensor: a plain write of its first byte, the rest in parallel
+        ASSERT_TRUE(w.write_tensor_data({bytes.data(), 1}).is_ok());
+      }
+      const size_t from = i % 2;
+      const Status st = w.write_tensor_data_parallel(
+          bytes.size() - from, 5,
+          [&](uint64_t offset, std::span<uint8_t> piece) {
+            std::memcpy(piece.data(), bytes.data() + from + offset, piece.size());
+          },
+          pool);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+    }
+    ASSERT_TRUE(w.finish().is_ok());
+    ASSERT_EQ(w.output_paths().size(), want_paths.size());
+    for (size_t p = 0; p < want_paths.size(); ++p)
+      EXPECT_EQ(read_bytes(w.output_paths()[p]), read_bytes(want_paths[p])) << "split " << split << " part " << p;
+    if (split) {
+      EXPECT_GT(want_paths.size(), 1u);
+    }
+    for (const auto& p : w.output_paths()) fs::remove(p);
+    for (const auto& p : want_paths) fs::remove(p);
+  }
+  ThreadPool pool(2);
+  GgufWriter w(dir_ / "over.gguf");
+  ASSERT_TRUE(w.add_tensor("t", GgmlType::F32, {4}).is_ok());
+  ASSERT_TRUE(w.begin().is_ok());
+  const Status over = w.write_tensor_data_parallel(17, 4, [](uint64_t, std::span<uint8_t>) {}, pool);
+  EXPECT_FALSE(over.is_ok());
+  EXPECT_NE(over.message().find("only 16 of its 16 bytes remain"), std::string::npos) << over.message();
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 // snapshots rewind exactly, slots and pages run out with clear errors and come back.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <memory>
+#include <span>
 #include <random>
 #include <string>
 #include <vector>
@@ -164,6 +166,56 @@ TEST_F(KvCacheTest, PagesRunOutWithoutChangingTheSequence) {
   EXPECT_NE(r.status().message().find("page"), std::string::npos) << r.status().message();
   EXPECT_EQ((*s)->position(), 0);
   EXPECT_TRUE((*m)->prefill(**s, tokens(8, 10)).is_ok());
+}
+
+}  // namespace
+}  // namespace dsv4
+
+namespace dsv4 {
+namespace {
+
+// Model::fill_for_benchmark: an empty sequence jumps to a depth with its pages committed and
+// random finite contents; decoding on is finite, sampled tokens are valid, and the contents
+// depend on the seed only.
+TEST_F(KvCacheTest, FillForBenchmark) {
+  auto a = sequence(), b = sequence(), c = sequence();
+  const uint64_t empty_bytes = a->committed_bytes();
+  ASSERT_TRUE(model_->fill_for_benchmark(*a, 150, 21).is_ok());
+  ASSERT_TRUE(model_->fill_for_benchmark(*b, 150, 21).is_ok());
+  ASSERT_TRUE(model_->fill_for_benchmark(*c, 150, 22).is_ok());
+  EXPECT_EQ(a->position(), 150);
+  // 150 tokens: 37 CSA entries and keys (10 pages of 4), 9 entries of the ratio-16 layers.
+  EXPECT_GT(a->committed_bytes(), empty_bytes);
+  EXPECT_EQ(a->committed_bytes(), b->committed_bytes());
+
+  const std::vector<int32_t> next = {17, 301, 42};
+  const std::vector<float> la = logits(*a, next), lb = logits(*b, next), lc = logits(*c, next);
+  ASSERT_EQ(la.size(), 3u * 512);
+  bool finite = true;
+  for (float x : la) finite = finite && std::isfinite(x);
+  EXPECT_TRUE(finite);
+  EXPECT_EQ(la, lb);
+  EXPECT_NE(la, lc);
+  EXPECT_EQ(a->position(), 153);
+  b.reset();  // four slots
+  c.reset();
+
+  // A sampled step from the filled depth (the benchmark's decode step).
+  auto d = sequence();
+  ASSERT_TRUE(model_->fill_for_benchmark(*d, 200, 23).is_ok());
+  const SampleSpec greedy{.temperature = 0, .adjust = {}};
+  const int32_t token = 5;
+  const BatchItem item{d.get(), std::span<const int32_t>(&token, 1), false, false, &greedy};
+  ForwardOutput out;
+  ASSERT_TRUE(model_->forward(std::span<const BatchItem>(&item, 1), out).is_ok());
+  ASSERT_EQ(out.tokens.size(), 1u);
+  EXPECT_GE(out.tokens[0], 0);
+  EXPECT_LT(out.tokens[0], 512);
+
+  EXPECT_FALSE(model_->fill_for_benchmark(*a, 10, 1).is_ok());   // not empty
+  auto e = sequence();
+  EXPECT_FALSE(model_->fill_for_benchmark(*e, 257, 1).is_ok());  // past its context
+  EXPECT_EQ(e->position(), 0);
 }
 
 }  // namespace

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend_choice.h"
 #include "commands.h"
 #include "model/model.h"
 
@@ -28,8 +28,7 @@ struct ScoreOptions {
   int64_t chunk = 0;  // 0: the whole sequence in one call
   bool no_qat = false;
   bool mtp = false;
-  bool fast = false;
-  int threads = 0;
+  BackendFlags backend;
 };
 
 Result<std::vector<int32_t>> read_tokens(const std::string& path) {
@@ -68,12 +67,13 @@ Status write_npy(const std::string& path, const std::vector<float>& data, int64_
 
 Status run_score(const ScoreOptions& o) {
   DSV4_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, read_tokens(o.tokens));
-  backend::CpuBackend cpu(o.threads);
+  DSV4_ASSIGN_OR_RETURN(ChosenBackend chosen, make_backend(o.backend, "dsv4 score"));
   ModelOptions mo;
   mo.qat = !o.no_qat;
-  mo.matmul = o.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
+  mo.matmul = matmul_mode(o.backend, chosen);
+  mo.cache = cache_options(chosen, 1, tokens.size());
   mo.mtp_path = o.mtp_file;
-  DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, cpu, mo));
+  DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, *chosen.backend, mo));
   const int64_t n = static_cast<int64_t>(tokens.size()), vocab = model->config().vocab_size;
   if (o.mtp && !model->has_mtp()) return Status::errorf("{}: the model has no MTP block", o.model);
   if (o.mtp && n < 2) return Status::error("--mtp needs at least 2 tokens");
@@ -118,8 +118,8 @@ void register_score(CLI::App& app, CommandRunner& run) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-qat", o->no_qat, "switch off the official QAT roundings (FP8 KV, FP4 indexer)");
   app.add_flag("--mtp", o->mtp, "write the MTP block's draft logits [tokens-1, vocab] instead");
-  app.add_flag("--fast", o->fast, "integer dot products on quantised activations (not the fp32 reference)");
-  app.add_option("-t,--threads", o->threads, "CPU threads (default: all)");
+  add_backend_flags(app, o->backend);
+  app.add_option("-t,--threads", o->backend.threads, "CPU threads (default: all)");
   run = [o] {
     const Status s = run_score(*o);
     if (!s.is_ok()) {

@@ -1,5 +1,6 @@
 // dsv4 synth: write a runnable `deepseek4` GGUF with seeded random weights of a preset's
-// geometry (tiny, small, or the full V4-Flash), streamed to disk.
+// geometry (tiny, small, or the full V4-Flash), streamed to disk. --recipe takes the
+// converter's per-role types; --fill random-blocks writes benchmark weights at memory speed.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -9,8 +10,10 @@
 #include <string>
 
 #include "commands.h"
+#include "convert/recipe.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
+#include "util/thread_pool.h"
 
 namespace dsv4::cli {
 namespace {
@@ -25,6 +28,12 @@ struct SynthCliOptions {
   bool force = false;
   bool no_tokenizer = false;
   bool bundled = false;
+  std::string recipe;
+  std::vector<std::string> types;
+  std::string fill = "normal";
+  bool no_mtp = false;
+  bool dry_run = false;
+  int threads = 0;
 };
 
 int fail(const Status& s) {
@@ -49,6 +58,7 @@ int run_synth(const SynthCliOptions& o) {
     opts.config = *cut;
     opts.config.name += fmt::format(", first {} layers", o.layers);
   }
+  if (o.no_mtp) opts.config = without_mtp(opts.config);
   opts.expert_type = preset->default_expert_type;
   opts.dense_type = preset->default_dense_type;
   for (auto [text, target] : {std::pair{&o.expert_type, &opts.expert_type},
@@ -61,6 +71,28 @@ int run_synth(const SynthCliOptions& o) {
     }
     *target = *t;
   }
+  if (!o.recipe.empty()) {
+    auto recipe = convert::recipe_by_name(o.recipe);
+    if (!recipe.is_ok()) {
+      fmt::print(stderr, "dsv4 synth: {}\n", recipe.status().message());
+      return kExitUsage;
+    }
+    for (const std::string& t : o.types)
+      if (Status st = convert::apply_type_override(*recipe, t); !st) {
+        fmt::print(stderr, "dsv4 synth: {}\n", st.message());
+        return kExitUsage;
+      }
+    opts.tensor_type = [r = *recipe](const TensorSpec& spec, std::string* note) -> Result<GgmlType> {
+      DSV4_ASSIGN_OR_RETURN(convert::TypeChoice choice, convert::choose_type(r, spec));
+      if (choice.fallback() && note)
+        *note = fmt::format("{}: row length {} does not fit {}; written as {}", spec.name, spec.ne[0],
+                            ggml_type_name(choice.requested), ggml_type_name(choice.type));
+      return choice.type;
+    };
+  }
+  opts.fill = o.fill == "random-blocks" ? SynthFill::RandomBlocks : SynthFill::Normal;
+  opts.dry_run = o.dry_run;
+  if (o.threads > 0) ThreadPool::set_global_threads(o.threads);
   opts.seed = o.seed;
   opts.preset_name = o.preset;
   opts.overwrite = o.force;
@@ -80,12 +112,18 @@ int run_synth(const SynthCliOptions& o) {
   };
   auto report = write_synthetic_model(o.output, opts);
   if (!report.is_ok()) return fail(report.status());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (const auto& note : report->notes) fmt::print(stderr, "dsv4 synth: note: {}\n", note);
-  fmt::print("wrote {}: preset {}, {} layers + {} MTP, experts {}, other matrices {}, seed {}, {} "
-             "tensors, {} bytes of tensor data\n",
-             fmt::join(report->paths, " + "), o.preset, opts.config.n_layers, opts.config.n_mtp,
-             ggml_type_name(opts.expert_type), ggml_type_name(opts.dense_type), o.seed,
-             report->n_tensors, report->data_bytes);
+  const std::string types = o.recipe.empty()
+                                ? fmt::format("experts {}, other matrices {}", ggml_type_name(opts.expert_type),
+                                              ggml_type_name(opts.dense_type))
+                                : fmt::format("recipe {}", o.recipe);
+  fmt::print("{} {}: preset {}, {} layers + {} MTP, {}, fill {}, seed {}, {} tensors, {} bytes of tensor data",
+             o.dry_run ? "would write" : "wrote", fmt::join(report->paths, " + "), o.preset, opts.config.n_layers,
+             opts.config.n_mtp, types, o.fill, o.seed, report->n_tensors, report->data_bytes);
+  if (!o.dry_run)
+    fmt::print(" in {:.1f} s ({:.2f} GB/s)", seconds, static_cast<double>(report->data_bytes) / 1e9 / seconds);
+  fmt::print("\n");
   return kExitOk;
 }
 
@@ -96,14 +134,27 @@ void register_synth(CLI::App& app, CommandRunner& run) {
   app.add_option("--preset", o->preset, "geometry: tiny, small, flash, tiny41, small41, flash41")->required();
   app.add_option("--layers", o->layers, "keep only the first N trunk layers (and the MTP block)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--experts", o->expert_type, "routed-expert type, e.g. q2_K, q4_K, q8_0, mxfp4");
-  app.add_option("--dense", o->dense_type, "type of every other matrix, e.g. q8_0, bf16");
+  auto* experts = app.add_option("--experts", o->expert_type, "routed-expert type, e.g. q2_K, q4_K, q8_0, mxfp4");
+  auto* dense = app.add_option("--dense", o->dense_type, "type of every other matrix, e.g. q8_0, bf16");
   app.add_option("--seed", o->seed, "random seed")->required();
   app.add_option("-o,--output", o->output, "output .gguf file")->required();
   app.add_flag("--force", o->force, "replace an existing output file");
   app.add_flag("--no-tokenizer", o->no_tokenizer, "leave out the tokenizer metadata");
   app.add_flag("--bundled", o->bundled,
                "one file with the MTP block inside (default: llama.cpp's trunk + mtp-<name> sidecar)");
+  std::string recipes = "types by role as dsv4 convert's recipe (instead of --experts/--dense):";
+  for (const auto& r : convert::recipe_list()) recipes += fmt::format("\n  {}: {}", r.name, r.summary);
+  app.add_option("--recipe", o->recipe, recipes)->excludes(experts)->excludes(dense);
+  app.add_option("--type", o->types, "with --recipe: ROLE=TYPE overrides one role, as in dsv4 convert (repeatable)")
+      ->allow_extra_args(false);
+  app.add_option("--fill", o->fill,
+                 "normal: the fixture's distributions, quantised; random-blocks: random valid blocks of the "
+                 "same magnitude for the quantised matrices, written at memory speed (benchmarks)")
+      ->check(CLI::IsMember({"normal", "random-blocks"}))
+      ->capture_default_str();
+  app.add_flag("--no-mtp", o->no_mtp, "leave out the MTP block: one trunk-only file (what llama.cpp loads alone)");
+  app.add_flag("--dry-run", o->dry_run, "print the files and their tensor bytes, write nothing");
+  app.add_option("--threads", o->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
   run = [o] { return run_synth(*o); };
 }
 

@@ -30,5 +30,6 @@ void register_synth_checkpoint(CLI::App& app, CommandRunner& run);  // cmd_synth
 void register_score(CLI::App& app, CommandRunner& run);     // cmd_score.cpp
 void register_quant(CLI::App& app, CommandRunner& run);     // cmd_quant.cpp
 void register_engram(CLI::App& app, CommandRunner& run);    // cmd_engram.cpp
+void register_bench(CLI::App& app, CommandRunner& run);     // cmd_bench.cpp
 
 }  // namespace dsv4::cli

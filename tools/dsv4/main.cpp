@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   add("convert", "Convert DeepSeek's official checkpoint (safetensors FP8/FP4) to a deepseek4 GGUF", register_convert);
   add("synth-checkpoint", "Write a synthetic checkpoint in DeepSeek's official format (input of convert)", register_synth_checkpoint);
   add("score", "Write the logits of a token sequence as a NumPy .npy file", register_score);
+  add("bench", "Measure prefill, decode and batched decode speed against the bounds of this machine", register_bench);
   add("quant", "Quantise / dequantise raw blocks of one element type (development tool)", register_quant);
   add("engram", "V4.1 Engram hash constants and row ids as JSON (development tool)", register_engram);
 

@@ -37,9 +37,9 @@ void add_session_flags(CLI::App& app, SessionFlags& f) {
   app.add_option("-m,--model", f.model, "GGUF model file (default: the built-in tiny model, random weights)")
       ->check(CLI::ExistingFile);
   app.add_option("--mtp", f.mtp, "MTP sidecar of a trunk-only model (default: mtp-*.gguf found next to it)");
-  app.add_option("-t,--threads", f.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  app.add_option("-t,--threads", f.backend.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   app.add_option("--ctx", f.ctx, "context length in tokens (default: the model's, at most 16384)");
-  app.add_flag("--fast", f.fast, "integer dot products on quantised activations (not the fp32 reference)");
+  add_backend_flags(app, f.backend);
   auto* think = app.add_flag("--think", f.think, "thinking mode: reason first, then answer (default)");
   app.add_flag("--nothink", f.nothink, "chat mode: answer directly")->excludes(think);
   app.add_option("--effort", f.effort, "reasoning effort: high or max (V4); low, high or max (0731)");
@@ -113,11 +113,13 @@ Result<Session> open_session(const SessionFlags& f, const char* command) {
     DSV4_ASSIGN_OR_RETURN(text::Tokenizer tok, text::Tokenizer::from_gguf(file));
     s.tokenizer = std::make_unique<text::Tokenizer>(std::move(tok));
   }
-  s.cpu = std::make_unique<backend::CpuBackend>(f.threads);
+  DSV4_ASSIGN_OR_RETURN(s.backend, make_backend(f.backend, command));
   ModelOptions mo;
-  mo.matmul = f.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
+  mo.matmul = matmul_mode(f.backend, s.backend);
+  // The generator keeps one sequence (two while it replaces one); the --ctx default is its.
+  mo.cache = cache_options(s.backend, 2, f.ctx ? f.ctx : 16384);
   mo.mtp_path = f.mtp;
-  DSV4_ASSIGN_OR_RETURN(s.model, Model::load(s.model_path, *s.cpu, mo));
+  DSV4_ASSIGN_OR_RETURN(s.model, Model::load(s.model_path, *s.backend.backend, mo));
   const size_t vocab = s.model->config().vocab_size;
   if (s.tokenizer->vocab_size() > vocab)
     return Status::errorf("{}: the tokenizer has {} tokens but the model's vocabulary is {}", s.model_path,

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend_choice.h"
 #include "model/model.h"
 #include "runtime/generator.h"
 #include "text/chat.h"
@@ -22,9 +22,8 @@ namespace dsv4::cli {
 struct SessionFlags {
   std::string model;  // empty: the built-in model
   std::string mtp;    // --mtp FILE: the MTP sidecar of a trunk-only model
-  int threads = 0;
+  BackendFlags backend;  // --backend, -t, --fast, --exact
   uint64_t ctx = 0;
-  bool fast = false;
   // Sampling (defaults: DeepSeek-V4's model card).
   float temperature = 1.0f;
   int32_t top_k = 0;
@@ -54,7 +53,7 @@ void add_session_flags(CLI::App& app, SessionFlags& f);
 Status validate_session_flags(const SessionFlags& f);
 
 struct Session {
-  std::unique_ptr<backend::CpuBackend> cpu;
+  ChosenBackend backend;  // declared first: outlives the model
   std::unique_ptr<Model> model;
   std::unique_ptr<text::Tokenizer> tokenizer;
   std::string model_path;

@@ -14,7 +14,7 @@
 //
 // Files: cuda_backend.cu (memory, steps, dense and token-wise ops), cuda_attention.cu
 // (attention, window ring, compressors, entries, indexer, top-k), cuda_moe.cu (routing,
-// experts). Kernels beside them; CPU references are the CpuBackend.
+// experts), cuda_timing.cu (events for benchmarks). Kernels beside them; CPU references are the CpuBackend.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -55,7 +55,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const;
   DeviceMemory memory() const;
   // Waits for everything enqueued so far (downloads do this themselves).
-  Status synchronize();
+  Status synchronize() override;
 
   Result<Tensor> alloc(GgmlType type, std::span<const int64_t> shape) override;
   Result<Tensor> reserve(GgmlType type, std::span<const int64_t> shape) override;
@@ -129,6 +129,10 @@ class CudaBackend final : public Backend {
   Status begin_capture() override;
   Status end_capture(int64_t id) override;
   Status replay(int64_t id) override;
+
+  // cuda_timing.cu: CUDA events on the backend's stream.
+  Result<TimePoint> time_point() override;
+  Result<double> elapsed_ms(const TimePoint& begin, const TimePoint& end) override;
 
   struct Impl;  // stream, handles, arena, staging buffers, counters (cuda_backend_impl.cuh)
 

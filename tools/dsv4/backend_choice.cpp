@@ -1,0 +1,88 @@
+#include "backend_choice.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "backend/cpu/cpu_backend.h"
+#ifdef DSV4_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/device_info.h"
+#endif
+
+namespace dsv4::cli {
+
+void add_backend_flags(CLI::App& app, BackendFlags& flags) {
+  app.add_option("--backend", flags.backend,
+                 "where the model runs: cpu, cuda, or auto (CUDA when built with it and a GPU is present)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+      ->capture_default_str();
+  auto* fast = app.add_flag("--fast", flags.fast,
+                            "quantised activations in the matrix products (the CPU default is the fp32 reference)");
+  app.add_flag("--exact", flags.exact,
+               "the fp32 reference numerics: weights decoded exactly, fp32 products (the CUDA default is the "
+               "quantised production path)")
+      ->excludes(fast);
+}
+
+bool cuda_built() {
+#ifdef DSV4_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string resolve_backend_name(const std::string& choice) {
+  if (choice != "auto") return choice;
+#ifdef DSV4_HAVE_CUDA
+  if (cuda::query_device(0).is_ok()) return "cuda";
+#endif
+  return "cpu";
+}
+
+Result<ChosenBackend> make_backend(const BackendFlags& flags, const char* command) {
+  ChosenBackend chosen;
+  chosen.name = resolve_backend_name(flags.backend);
+  if (chosen.name == "cpu") {
+    chosen.backend = std::make_unique<backend::CpuBackend>(flags.threads);
+    return chosen;
+  }
+#ifdef DSV4_HAVE_CUDA
+  backend::CudaBackendOptions options;
+  if (isatty(STDERR_FILENO)) {
+    options.on_upload_progress = [command, last = -1](uint64_t done, uint64_t total) mutable {
+      const int percent = total ? static_cast<int>(100 * done / total) : 100;
+      if (percent == last) return;
+      last = percent;
+      fmt::print(stderr, "\r{}: uploading weights {:3d}% ({:.1f} of {:.1f} GiB)", command, percent,
+                 static_cast<double>(done) / (1 << 30), static_cast<double>(total) / (1 << 30));
+      if (done >= total) fmt::print(stderr, "\n");
+    };
+  }
+  DSV4_ASSIGN_OR_RETURN(auto cuda, backend::CudaBackend::create(options));
+  chosen.backend = std::move(cuda);
+  chosen.device = true;
+  return chosen;
+#else
+  (void)command;
+  return Status::error("--backend cuda: this dsv4 was built without CUDA (configure with -DDSV4_CUDA=ON)");
+#endif
+}
+
+backend::MatmulMode matmul_mode(const BackendFlags& flags, const ChosenBackend& chosen) {
+  if (flags.exact) return backend::MatmulMode::Exact;
+  if (flags.fast || chosen.device) return backend::MatmulMode::Quantized;
+  return backend::MatmulMode::Exact;
+}
+
+KvCacheOptions cache_options(const ChosenBackend& chosen, uint32_t sequences, uint64_t context) {
+  KvCacheOptions o;
+  if (!chosen.device) return o;
+  o.max_sequences = sequences;
+  o.max_context = context;
+  return o;
+}
+
+}  // namespace dsv4::cli

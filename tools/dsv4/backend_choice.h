@@ -1,0 +1,51 @@
+// Which backend a command runs on, decided in one place for every command that loads a
+// model (run, chat, score, bench): --backend cpu|cuda|auto (auto: CUDA when this dsv4 was
+// built with it and a GPU is present, else the CPU), the matrix-product numerics that go
+// with it, and cache sizes a device can hold.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "model/kv_cache.h"
+#include "util/status.h"
+
+namespace dsv4::cli {
+
+struct BackendFlags {
+  std::string backend = "auto";  // cpu, cuda, auto
+  int threads = 0;               // CPU threads (the CPU backend; 0: all)
+  bool fast = false;             // --fast: Quantized on the CPU too
+  bool exact = false;            // --exact: the fp32 reference numerics on any backend
+};
+
+// --backend, --fast and --exact (the command adds -t/--threads itself where it has one).
+void add_backend_flags(CLI::App& app, BackendFlags& flags);
+
+bool cuda_built();  // this dsv4 has the CUDA backend
+// "cpu" or "cuda" for --backend auto: CUDA when built with it and device 0 answers.
+std::string resolve_backend_name(const std::string& choice);
+
+struct ChosenBackend {
+  std::unique_ptr<backend::Backend> backend;
+  bool device = false;  // a device backend (memory is not committed lazily)
+  std::string name;     // "cpu" or "cuda"
+};
+
+// The backend for the flags; `command` prefixes progress lines ("dsv4 run"); a device
+// backend shows its weight upload as a progress line on a terminal.
+Result<ChosenBackend> make_backend(const BackendFlags& flags, const char* command);
+
+// The numerics: --exact the reference, --fast the quantised path, else the backend's
+// default (the CPU: exact, the reference CI runs; CUDA: the production quantised path).
+backend::MatmulMode matmul_mode(const BackendFlags& flags, const ChosenBackend& chosen);
+
+// Cache options for `sequences` sequences of up to `context` tokens: on a device every slot
+// is allocated up front, so it gets exactly that; the CPU keeps its lazily committed
+// defaults (context 0 there: the model's).
+KvCacheOptions cache_options(const ChosenBackend& chosen, uint32_t sequences, uint64_t context);
+
+}  // namespace dsv4::cli
