@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
   add("synth-checkpoint", "Write a synthetic checkpoint in DeepSeek's official format (input of convert)", register_synth_checkpoint);
   add("score", "Write the logits of a token sequence as a NumPy .npy file", register_score);
   add("quant", "Quantise / dequantise raw blocks of one element type (development tool)", register_quant);
+  add("chat-render", "Render conversations (JSON lines) with the chat encoder; --template prints the Jinja template (development tool)", register_chat_render);
 
   try {
     app.parse(argc, argv);
