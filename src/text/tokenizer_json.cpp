@@ -5,6 +5,7 @@
 #include <limits>
 #include <optional>
 
+#include "text/chat_template.h"
 #include "text/pretokenizer.h"
 
 namespace dsv4::text {
@@ -183,6 +184,7 @@ void write_tokenizer_metadata(const TokenizerVocab& vocab, gguf::GgufWriter& wri
   writer.set("tokenizer.ggml.padding_token_id", Value::u32(vocab.pad_id));
   writer.set("tokenizer.ggml.add_bos_token", Value::boolean(false));
   writer.set("tokenizer.ggml.add_eos_token", Value::boolean(false));
+  writer.set("tokenizer.chat_template", Value::string(chat_template_jinja()));
 }
 
 Status write_tokenizer_metadata(std::string_view tokenizer_json, std::string_view source,

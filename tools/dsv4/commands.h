@@ -31,5 +31,6 @@ void register_score(CLI::App& app, CommandRunner& run);     // cmd_score.cpp
 void register_quant(CLI::App& app, CommandRunner& run);     // cmd_quant.cpp
 void register_engram(CLI::App& app, CommandRunner& run);    // cmd_engram.cpp
 void register_bench(CLI::App& app, CommandRunner& run);     // cmd_bench.cpp
+void register_chat_render(CLI::App& app, CommandRunner& run);  // cmd_chat_render.cpp
 
 }  // namespace dsv4::cli

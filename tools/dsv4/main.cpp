@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   add("bench", "Measure prefill, decode and batched decode speed against the bounds of this machine", register_bench);
   add("quant", "Quantise / dequantise raw blocks of one element type (development tool)", register_quant);
   add("engram", "V4.1 Engram hash constants and row ids as JSON (development tool)", register_engram);
+  add("chat-render", "Render conversations (JSON lines) with the chat encoder; --template prints the Jinja template (development tool)", register_chat_render);
 
   try {
     app.parse(argc, argv);
