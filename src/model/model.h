@@ -7,6 +7,11 @@
 //   auto logits = (*model)->prefill(**seq, prompt_ids);        // logits of the last token
 //   logits = (*model)->decode(**seq, next_id);                 // one token
 //
+// Prefix reuse and preemption (sequence_snapshot.cpp): fork() copies a sequence,
+// snapshot() keeps the small mutable part of its state at its position, restore() rewinds
+// it there; export_sequence()/import_sequence() write and read a whole state as bytes (the
+// server's disk cache).
+//
 // forward() runs several independent sequences in one batch; each item appends its
 // tokens at its sequence's next positions. Results are bit-identical whatever the
 // chunking and batching (backend.h explains why). One call at a time per backend (the
@@ -61,6 +66,29 @@ struct MtpItem {
   std::span<const int32_t> next_tokens;  // [n]
 };
 
+// The mutable parts of a sequence's state at one position (Model::snapshot): window
+// rings, compressor states, the position and entry counts. Compressed entries and indexer
+// keys before the position are append-only, so they are not copied. Snapshots are values:
+// copies share one immutable state.
+struct SequenceSnapshot {
+ public:
+  SequenceSnapshot();
+  ~SequenceSnapshot();
+  SequenceSnapshot(const SequenceSnapshot&);
+  SequenceSnapshot& operator=(const SequenceSnapshot&);
+  SequenceSnapshot(SequenceSnapshot&&) noexcept;
+  SequenceSnapshot& operator=(SequenceSnapshot&&) noexcept;
+
+  bool valid() const { return state_ != nullptr; }
+  int64_t position() const;  // trunk tokens processed when it was taken
+  uint64_t bytes() const;    // memory the snapshot holds
+
+ private:
+  friend class Model;
+  struct State;
+  std::shared_ptr<const State> state_;
+};
+
 class Model {
  public:
   static Result<std::unique_ptr<Model>> load(const std::string& path, backend::Backend& backend,
@@ -83,6 +111,26 @@ class Model {
 
   // Draft logits of the MTP block, one row per input position: [n, vocab].
   Result<std::vector<float>> mtp(std::span<const MtpItem> batch, ForwardTrace* trace = nullptr) const;
+
+  // An independent copy of seq's whole state at its position: later forwards on either do
+  // not affect the other. Charged to seq's shared budget (fails, allocating nothing, when
+  // it does not fit).
+  Result<std::unique_ptr<Sequence>> fork(const Sequence& seq) const;
+  // The mutable parts of seq's state at its current position (small: no entries).
+  Result<SequenceSnapshot> snapshot(const Sequence& seq) const;
+  // Rewinds seq to the snapshot's state exactly: continuing from it is bit-identical to a
+  // fresh run on the same tokens. Precondition (the caller's to keep): the snapshot was
+  // taken of seq, or of the sequence seq was forked from, and seq has reached at least the
+  // snapshot's position without being rewound past it since. Checked: same model and
+  // cache shape, position not beyond seq's. Committed rows stay committed.
+  Status restore(Sequence& seq, const SequenceSnapshot& snap) const;
+
+  // The whole state of seq as bytes (a header naming the cache shape, then every row in
+  // use), and a fresh sequence in such a state, charged to options.shared_budget. Bytes of
+  // another cache shape, or damaged ones, are refused with the field that differs.
+  Result<std::vector<uint8_t>> export_sequence(const Sequence& seq) const;
+  Result<std::unique_ptr<Sequence>> import_sequence(std::span<const uint8_t> bytes,
+                                                    const SequenceOptions& options) const;
 
   // Conveniences over forward() for one sequence.
   Result<std::vector<float>> prefill(Sequence& seq, std::span<const int32_t> tokens,
