@@ -55,11 +55,11 @@ struct RequestEvent {
   std::string text;             // output text made certain (stop strings cut)
   text::OutputDelta parsed;     // the same text, split (parse_output)
   std::vector<TokenLogprob> logprobs;  // for the tokens sampled since the last event
+  Usage usage;                  // so far (prompt and cached tokens are known from the first event)
   bool done = false;
   // With done:
   FinishReason finish = FinishReason::kEos;
   Status error;                  // not ok when the request failed
-  Usage usage;
   text::ParsedOutput result;     // the whole parsed output
   std::vector<int32_t> tokens;   // the generated tokens (a final EOS or stop token excluded)
   std::string generated_text;    // their decoded text

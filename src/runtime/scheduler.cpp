@@ -66,6 +66,7 @@ std::shared_ptr<RequestHandle> Scheduler::submit(RequestSpec spec, Rejection* re
     return nullptr;
   };
   const size_t vocab = model_.config().vocab_size;
+  if (stopping_.load()) return reject(Status::error(StatusCode::kCancelled, "the server is shutting down"));
   if (spec.prompt.empty()) return reject(Status::error("the prompt is empty"));
   for (int32_t t : spec.prompt)
     if (t < 0 || static_cast<size_t>(t) >= vocab)
@@ -280,6 +281,7 @@ void Scheduler::sample(Active& r, std::span<const float> row) {
   r.tokens.push_back(t);
   r.generated_ids.push_back(t);
   RequestEvent ev;
+  ev.usage = {r.prompt_len, std::min(r.cached, r.prompt_len), r.generated, r.reasoning_tokens};
   bool matched = false;
   emit_text(r, r.stops.push(r.decoder.push(t), matched), ev);
   if (matched) {

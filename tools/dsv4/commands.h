@@ -29,5 +29,6 @@ void register_convert(CLI::App& app, CommandRunner& run);   // cmd_convert.cpp
 void register_synth_checkpoint(CLI::App& app, CommandRunner& run);  // cmd_synth_checkpoint.cpp
 void register_score(CLI::App& app, CommandRunner& run);     // cmd_score.cpp
 void register_quant(CLI::App& app, CommandRunner& run);     // cmd_quant.cpp
+void register_serve(CLI::App& app, CommandRunner& run);     // cmd_serve.cpp
 
 }  // namespace dsv4::cli
