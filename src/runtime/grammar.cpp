@@ -61,6 +61,16 @@ Status Grammar::finish(uint32_t root) {
   }
   for (size_t r = 0; r < rules_.size(); ++r)
     if (min_rule_[r] >= kInfinite) return Status::errorf("grammar: rule {} derives no finite sentence", r);
+  min_alt_.assign(rules_.size(), 0);
+  for (size_t r = 0; r < rules_.size(); ++r)
+    for (size_t a = 0; a < rules_[r].size(); ++a) {
+      uint64_t n = 0;
+      for (const Symbol& x : rules_[r][a]) n += x.is_rule ? min_rule_[x.id] : 1;
+      if (n == min_rule_[r]) {
+        min_alt_[r] = static_cast<uint32_t>(a);
+        break;
+      }
+    }
   // Left recursion: a rule reachable from itself through prefixes that match nothing.
   std::vector<std::vector<uint32_t>> left(rules_.size());
   for (size_t r = 0; r < rules_.size(); ++r)
@@ -236,8 +246,70 @@ uint32_t GrammarMatcher::min_remaining(const Stacks& stacks) const {
 
 uint32_t GrammarMatcher::min_remaining() const { return min_remaining(stacks_); }
 
-bool GrammarMatcher::fits(const Stacks& after, int64_t budget) const {
-  return budget < 0 || static_cast<int64_t>(min_remaining(after)) <= budget - 1;
+// A byte of `c` that reads well in a completion: a letter, a digit, else the lowest.
+uint8_t representative(const ByteClass& c) {
+  for (int b : {'a', '0', ' '})
+    if (c.test(static_cast<size_t>(b))) return static_cast<uint8_t>(b);
+  for (int b = 'a'; b <= 'z'; ++b)
+    if (c.test(static_cast<size_t>(b))) return static_cast<uint8_t>(b);
+  for (int b = 0x20; b < 0x7f; ++b)
+    if (c.test(static_cast<size_t>(b))) return static_cast<uint8_t>(b);
+  for (int b = 0; b < 256; ++b)
+    if (c.test(static_cast<size_t>(b))) return static_cast<uint8_t>(b);
+  return 0;
+}
+
+void GrammarMatcher::expand_shortest(uint32_t p, std::string& out, int depth) const {
+  if (depth > kMaxExpandDepth) return;
+  for (; g_->program_[p].kind != Grammar::Element::kEnd; ++p) {
+    const Grammar::Element& e = g_->program_[p];
+    if (e.kind == Grammar::Element::kClass) out.push_back(static_cast<char>(representative(g_->classes_[e.id])));
+    else expand_shortest(g_->alt_starts_[e.id][g_->min_alt_[e.id]], out, depth + 1);
+  }
+}
+
+std::string GrammarMatcher::shortest_completion() const {
+  const Stack* best = nullptr;
+  uint64_t best_n = UINT64_MAX;
+  for (const Stack& s : stacks_) {
+    uint64_t n = 0;
+    for (uint32_t p : s) n += g_->min_rest_[p];
+    if (n < best_n) {
+      best_n = n;
+      best = &s;
+    }
+  }
+  std::string out;
+  if (!best) return out;
+  for (size_t i = best->size(); i-- > 0;) expand_shortest((*best)[i], out, 0);
+  return out;
+}
+
+std::vector<int32_t> GrammarMatcher::plan() const {
+  const std::string s = shortest_completion();
+  std::vector<int32_t> out;
+  for (size_t at = 0; at < s.size();) {
+    // The longest token spelling a prefix of the rest.
+    uint32_t node = 0;
+    int32_t best = -1;
+    size_t best_len = 0;
+    for (size_t k = at; k < s.size(); ++k) {
+      const VocabTrie::Node& n = vocab_->nodes_[node];
+      uint32_t next = 0;
+      for (uint32_t c = n.first_child; c < n.first_child + n.n_children; ++c)
+        if (vocab_->nodes_[c].byte == static_cast<uint8_t>(s[k])) next = c;
+      if (!next) break;
+      node = next;
+      if (vocab_->nodes_[node].token >= 0) {
+        best = vocab_->nodes_[node].token;
+        best_len = k + 1 - at;
+      }
+    }
+    if (best < 0) break;  // a byte no token spells: the plan stops short
+    out.push_back(best);
+    at += best_len;
+  }
+  return out;
 }
 
 bool GrammarMatcher::can_end() const {
@@ -248,28 +320,27 @@ bool GrammarMatcher::must_end() const {
   return !stacks_.empty() && std::all_of(stacks_.begin(), stacks_.end(), [](const Stack& s) { return s.empty(); });
 }
 
-bool GrammarMatcher::accepts(int32_t token, int64_t budget) const {
+bool GrammarMatcher::accepts(int32_t token) const {
   if (token == vocab_->eos_) return can_end();
   if (token < 0 || static_cast<size_t>(token) >= vocab_->vocab_size() || !vocab_->usable_[token]) return false;
-  const Stacks after = walk(vocab_->token_bytes_[token]);
-  return !after.empty() && fits(after, budget);
+  return !walk(vocab_->token_bytes_[token]).empty();
 }
 
-void GrammarMatcher::visit(uint32_t node, const Stacks& s, std::vector<uint8_t>& mask, int64_t budget) const {
+void GrammarMatcher::visit(uint32_t node, const Stacks& s, std::vector<uint8_t>& mask) const {
   const VocabTrie::Node& n = vocab_->nodes_[node];
   for (uint32_t c = n.first_child; c < n.first_child + n.n_children; ++c) {
     const VocabTrie::Node& child = vocab_->nodes_[c];
     Stacks next = step(s, child.byte);
     if (next.empty()) continue;
-    if (child.token >= 0 && fits(next, budget)) mask[child.token] = 1;
-    visit(c, next, mask, budget);
+    if (child.token >= 0) mask[child.token] = 1;
+    visit(c, next, mask);
   }
 }
 
-void GrammarMatcher::allowed(std::vector<uint8_t>& mask, int64_t budget) const {
+void GrammarMatcher::allowed(std::vector<uint8_t>& mask) const {
   mask.assign(vocab_->vocab_size(), 0);
   if (can_end() && vocab_->eos_ >= 0) mask[vocab_->eos_] = 1;
-  visit(0, stacks_, mask, budget);
+  visit(0, stacks_, mask);
 }
 
 Status GrammarMatcher::advance(int32_t token) {

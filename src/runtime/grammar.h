@@ -12,11 +12,11 @@
 // stacks (each the positions still to match, innermost last); a byte keeps the stacks
 // whose next class contains it.
 //
-// Every position knows the fewest bytes that complete the grammar from it, so a request
-// with a token budget is only offered tokens after which the rest still fits (at one
-// token per byte: every byte is a token of the byte-level vocabulary). Output under a
-// grammar therefore always completes within max_tokens when the grammar's shortest
-// sentence does.
+// Finishing within a token budget: plan() gives tokens that complete the grammar from
+// the current state (the shortest completion in bytes, cut into the longest tokens of
+// the vocabulary). A caller that keeps "plan length <= tokens left" true — taking a
+// sampled token only when the plan after it still fits, else the plan's first token —
+// always completes the grammar within max_tokens (scheduler.cpp does).
 #pragma once
 
 #include <bitset>
@@ -52,7 +52,6 @@ class Grammar {
   Status finish(uint32_t root);
 
   uint32_t root() const { return root_; }
-  uint32_t min_length() const { return min_rule_.empty() ? 0 : min_rule_[root_]; }  // bytes of the shortest sentence
   size_t rule_count() const { return rules_.size(); }
 
  private:
@@ -68,6 +67,7 @@ class Grammar {
   std::vector<std::vector<uint32_t>> alt_starts_;  // per rule, program offsets
   std::vector<uint32_t> min_rest_;  // per program offset: fewest bytes to the alternative's end
   std::vector<uint32_t> min_rule_;  // per rule: fewest bytes of a sentence
+  std::vector<uint32_t> min_alt_;   // per rule: an alternative of that length
   uint32_t root_ = 0;
   bool finished_ = false;
 };
@@ -98,16 +98,15 @@ class GrammarMatcher {
  public:
   GrammarMatcher(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const VocabTrie> vocab);
 
-  // Whether `token` may come next with at most `budget` tokens left including it
-  // (budget < 0: no limit).
-  bool accepts(int32_t token, int64_t budget = -1) const;
-  // mask[t] = 1 for every token accepts() would take.
-  void allowed(std::vector<uint8_t>& mask, int64_t budget = -1) const;
+  bool accepts(int32_t token) const;            // may `token` come next?
+  void allowed(std::vector<uint8_t>& mask) const;  // mask[t] = accepts(t)
   Status advance(int32_t token);
   bool can_end() const;   // the bytes so far are a sentence
   bool must_end() const;  // ... and nothing may follow
   bool failed() const { return stacks_.empty(); }
-  uint32_t min_remaining() const;  // fewest bytes that complete a sentence
+  uint32_t min_remaining() const;            // fewest bytes that complete a sentence
+  std::string shortest_completion() const;   // such bytes
+  std::vector<int32_t> plan() const;         // those bytes as tokens (longest match first)
 
  private:
   using Stack = std::vector<uint32_t>;  // program offsets, innermost last
@@ -116,8 +115,8 @@ class GrammarMatcher {
   Stacks step(const Stacks& from, uint8_t byte) const;
   Stacks walk(std::string_view bytes) const;
   uint32_t min_remaining(const Stacks& s) const;
-  bool fits(const Stacks& after, int64_t budget) const;
-  void visit(uint32_t node, const Stacks& s, std::vector<uint8_t>& mask, int64_t budget) const;
+  void expand_shortest(uint32_t offset, std::string& out, int depth) const;
+  void visit(uint32_t node, const Stacks& s, std::vector<uint8_t>& mask) const;
 
   std::shared_ptr<const Grammar> g_;
   std::shared_ptr<const VocabTrie> vocab_;

@@ -16,7 +16,15 @@ bool same_arguments(const std::string& a, const std::string& b) {
 }  // namespace
 
 void ReplayStore::insert(std::string key, Turn turn) {
-  if (key.empty() || turns_.count(key)) return;
+  if (key.empty()) return;
+  // The same text generated again (maybe as other tokens): the newest turn is the one a
+  // client is about to send back.
+  if (auto it = turns_.find(key); it != turns_.end()) {
+    it->second = std::move(turn);
+    order_.remove(key);
+    order_.push_back(std::move(key));
+    return;
+  }
   order_.push_back(key);
   turns_.emplace(std::move(key), std::move(turn));
   while (turns_.size() > capacity_) {
@@ -30,6 +38,9 @@ void ReplayStore::insert(std::string key, Turn turn) {
 
 void ReplayStore::remember(std::vector<int32_t> ids, std::string text, std::vector<std::string> call_ids,
                            int32_t think_end) {
+  // Clients see (and send back) the text as decoded for them: invalid UTF-8 the model
+  // produced became U+FFFD. The turn is keyed by that text and replays the raw tokens.
+  text = text::utf8_lossy(text);
   std::lock_guard<std::mutex> lock(mu_);
   Turn turn;
   if (size_t at = text.find(kCallsMarker); at != std::string::npos) turn.calls_block = text.substr(at);
@@ -94,7 +105,8 @@ Result<std::vector<int32_t>> ReplayStore::tokenize(const text::Tokenizer& tok, s
     const size_t next = rendered.find(text::kAssistantText, start);
     if (end == std::string_view::npos || (next != std::string_view::npos && next < end)) continue;
     auto it = turns_.find(std::string(rendered.substr(start, end - start)));
-    if (it == turns_.end() || tok.decode(it->second.ids) != rendered.substr(start, end - start)) continue;
+    if (it == turns_.end() || text::utf8_lossy(tok.decode(it->second.ids)) != rendered.substr(start, end - start))
+      continue;
     DSV4_TRY(encode(rendered.substr(done, start - done)));
     out.insert(out.end(), it->second.ids.begin(), it->second.ids.end());
     done = end;

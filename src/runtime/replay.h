@@ -8,7 +8,9 @@
 //      not produce. tokenize() encodes a rendered prompt but uses the generated ids for
 //      every assistant turn whose text is exactly one that was generated.
 // Turn texts start right after <think> or </think> and end right before EOS, all added
-// tokens, so splitting the encoding there changes nothing else (tokenizer.h).
+// tokens, so splitting the encoding there changes nothing else (tokenizer.h). A turn is
+// known by its text as clients received it (invalid UTF-8 the model wrote shown as
+// U+FFFD); its replay is the model's own tokens, raw bytes included.
 // Thread-safe; the oldest turns are forgotten past `capacity`.
 #pragma once
 

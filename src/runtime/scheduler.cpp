@@ -34,6 +34,9 @@ struct Scheduler::Active {
   StopStringMatcher stops;
   std::optional<text::OutputParser> parser;
   std::optional<GrammarMatcher> grammar;
+  std::vector<int32_t> plan;  // tokens that complete the grammar from its state
+  bool plan_valid = false;
+  int64_t eos_reserve = 0;
   std::shared_ptr<CacheEntry> entry;  // while running
   bool admitted = false;
   bool done = false;
@@ -225,23 +228,47 @@ void Scheduler::sample(Active& r, std::span<const float> row) {
   int32_t t = 0;
   if (r.grammar && r.grammar->must_end()) {
     t = eos;
+  } else if (r.grammar) {
+    // Keep "a plan that completes the grammar fits in the tokens left": take the sampled
+    // token when the plan after it still fits, else the plan's next token.
+    // One token stays for the EOS after the grammar ends, when there is room for it.
+    if (!r.plan_valid) {
+      r.plan = r.grammar->plan();
+      r.plan_valid = true;
+      r.eos_reserve = static_cast<int64_t>(r.plan.size()) + 1 <= budget ? 1 : 0;
+    }
+    const int64_t room = budget - r.eos_reserve;
+    bool follow_plan = !r.plan.empty() && static_cast<int64_t>(r.plan.size()) >= room;
+    if (!follow_plan) {
+      t = r.sampler.sample(row);
+      if (!r.grammar->accepts(t)) {
+        std::vector<uint8_t> mask;
+        r.grammar->allowed(mask);
+        std::vector<float> masked(row.begin(), row.end());
+        for (size_t i = 0; i < masked.size(); ++i)
+          if (i >= mask.size() || !mask[i]) masked[i] = -std::numeric_limits<float>::infinity();
+        t = r.sampler.sample(masked);
+        if (!r.grammar->accepts(t)) follow_plan = true;  // nothing allowed has a finite logit
+      }
+      if (!follow_plan && t != eos) {
+        GrammarMatcher after = *r.grammar;
+        std::vector<int32_t> next;
+        if (after.advance(t).is_ok()) next = after.plan();
+        if (after.failed() || static_cast<int64_t>(next.size()) > std::max<int64_t>(room - 1, 0)) follow_plan = true;
+        else r.plan = std::move(next);
+      }
+    }
+    if (follow_plan && r.plan.empty() && r.grammar->can_end()) {
+      t = eos;
+    } else if (follow_plan) {
+      if (r.plan.empty())
+        return finish(r, FinishReason::kLength,
+                      Status::errorf(StatusCode::kInternal, "the output grammar cannot be completed within {} tokens", budget));
+      t = r.plan.front();
+      r.plan.erase(r.plan.begin());
+    }
   } else {
     t = r.sampler.sample(row);
-    if (r.grammar && !r.grammar->accepts(t, budget)) {
-      std::vector<uint8_t> mask;
-      r.grammar->allowed(mask, budget);
-      std::vector<float> masked(row.begin(), row.end());
-      bool any = false;
-      for (size_t i = 0; i < masked.size(); ++i) {
-        const bool ok = i < mask.size() && mask[i];
-        if (!ok) masked[i] = -std::numeric_limits<float>::infinity();
-        any = any || ok;
-      }
-      if (!any)
-        return finish(r, FinishReason::kLength,
-                      Status::errorf(StatusCode::kInternal, "the output grammar has no continuation within {} tokens", budget));
-      t = r.sampler.sample(masked);
-    }
   }
   if (r.spec.top_logprobs >= 0) {
     float mx = -std::numeric_limits<float>::infinity();

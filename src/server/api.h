@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/grammar.h"
 #include "runtime/replay.h"
 #include "runtime/request.h"
 #include "text/chat.h"
@@ -47,6 +48,7 @@ struct ApiContext {
   uint64_t max_context = 0;
   size_t vocab_size = 0;
   runtime::ReplayStore* replay = nullptr;  // exact replay (optional)
+  std::shared_ptr<const runtime::VocabTrie> vocab;  // for grammar-constrained requests
   bool default_thinking = true;
   text::EffortTable effort_table = text::EffortTable::kV4;
 };

@@ -349,15 +349,17 @@ bool build_prompt(Fields& f, PromptSpec& p, const ApiContext& ctx, runtime::Requ
       return false;
     }
     spec.grammar = *grammar;
-    // One token per byte at worst: the shortest sentence must fit in max_tokens.
-    const int64_t least = static_cast<int64_t>(spec.grammar->min_length());
-    const int64_t room = std::min<int64_t>(spec.max_tokens < 0 ? INT64_MAX : spec.max_tokens,
-                                           static_cast<int64_t>(ctx.max_context - spec.prompt.size()));
-    if (least > room) {
-      f.fail(p.format && g->body == p.format->body ? "response_format" : "tool_choice",
-             fmt::format("the required output takes at least {} tokens, more than the {} allowed (max_tokens or the "
-                         "context's end)", least, room));
-      return false;
+    // The shortest completion, in the vocabulary's longest tokens, must fit in max_tokens.
+    if (ctx.vocab) {
+      const int64_t least = static_cast<int64_t>(runtime::GrammarMatcher(spec.grammar, ctx.vocab).plan().size());
+      const int64_t room = std::min<int64_t>(spec.max_tokens < 0 ? INT64_MAX : spec.max_tokens,
+                                             static_cast<int64_t>(ctx.max_context - spec.prompt.size()));
+      if (least > room) {
+        f.fail(p.format && g->body == p.format->body ? "response_format" : "tool_choice",
+               fmt::format("the required output takes at least {} tokens, more than the {} allowed (max_tokens or the "
+                           "context's end)", least, room));
+        return false;
+      }
     }
   }
   return true;

@@ -36,7 +36,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def output(self):
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log_path) as f:
             return f.read()
 
@@ -80,6 +81,7 @@ class Server:
 
     def close(self, test):
         rc = self.stop()
-        out = self.output()
+        with open(self.log_path) as f:
+            out = f.read()
         self.tmp.cleanup()
         test.assertEqual(rc, 0, "dsv4 serve exited with %s:\n%s" % (rc, out[-4000:]))
