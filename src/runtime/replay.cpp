@@ -1,5 +1,9 @@
 #include "runtime/replay.h"
 
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
 #include "text/output_parser.h"
 
 namespace dsv4::runtime {
@@ -114,6 +118,53 @@ Result<std::vector<int32_t>> ReplayStore::tokenize(const text::Tokenizer& tok, s
   }
   DSV4_TRY(encode(rendered.substr(done)));
   return out;
+}
+
+Status ReplayStore::save(const std::string& path, const std::string& identity) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  nlohmann::json turns = nlohmann::json::array();
+  for (const std::string& key : order_) {
+    const Turn& t = turns_.at(key);
+    turns.push_back({{"text", key}, {"ids", t.ids}, {"calls_block", t.calls_block}});
+  }
+  nlohmann::json calls = nlohmann::json::object();
+  for (const auto& [id, key] : by_call_id_) calls[id] = key;
+  const nlohmann::json j = {{"identity", identity}, {"turns", turns}, {"call_ids", calls}};
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::trunc);
+    out << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    if (!out) return Status::errorf(StatusCode::kIo, "{}: write failed", temp);
+  }
+  std::error_code ec;
+  std::filesystem::rename(temp, path, ec);
+  if (ec) return Status::errorf(StatusCode::kIo, "{}: {}", path, ec.message());
+  return Status::ok();
+}
+
+Status ReplayStore::load(const std::string& path, const std::string& identity) {
+  std::ifstream in(path);
+  if (!in) return Status::ok();  // nothing saved yet
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("identity") || j["identity"] != identity ||
+      !j.contains("turns") || !j["turns"].is_array() || !j.contains("call_ids") || !j["call_ids"].is_object())
+    return Status::errorf("{}: not a replay store of this model (ignored)", path);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& t : j["turns"]) {
+    if (!t.is_object() || !t.contains("text") || !t["text"].is_string() || !t.contains("ids") || !t["ids"].is_array() ||
+        !t.contains("calls_block") || !t["calls_block"].is_string())
+      continue;
+    Turn turn;
+    for (const auto& id : t["ids"])
+      if (id.is_number_integer()) turn.ids.push_back(id.get<int32_t>());
+    turn.calls_block = t["calls_block"];
+    insert(t["text"].get<std::string>(), std::move(turn));
+  }
+  for (const auto& [id, key] : j["call_ids"].items())
+    if (key.is_string() && turns_.count(key.get<std::string>())) by_call_id_[id] = key;
+  return Status::ok();
 }
 
 size_t ReplayStore::size() const {

@@ -44,6 +44,11 @@ class ReplayStore {
 
   Result<std::vector<int32_t>> tokenize(const text::Tokenizer& tokenizer, std::string_view rendered) const;
 
+  // The whole store as a file (with the prefix caches of --kv-persist) and back; a file
+  // written for another `identity` (model_identity()) is ignored.
+  Status save(const std::string& path, const std::string& identity) const;
+  Status load(const std::string& path, const std::string& identity);
+
   size_t size() const;
   uint64_t replayed_turns() const;  // assistant turns tokenize() took from the store
 

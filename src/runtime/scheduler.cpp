@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <optional>
 
@@ -57,6 +58,8 @@ Scheduler::Scheduler(const Model& model, const text::Tokenizer& tokenizer, Sched
   vocab_ = VocabTrie::build(tok_);
   think_end_ = tok_.find_token(text::kThinkEndText).value_or(-1);
   metrics_.cache_bytes_limit = opt_.kv_budget;
+  if (!opt_.prefix.persist_dir.empty())
+    (void)replay_.load((std::filesystem::path(opt_.prefix.persist_dir) / "replay.json").string(), opt_.prefix.identity);
 }
 
 Scheduler::~Scheduler() { stop(); }
@@ -499,6 +502,8 @@ void Scheduler::stop() {
   if (thread_.joinable()) thread_.join();
   cancel_all(Status::error(StatusCode::kCancelled, "the server is shutting down"));
   (void)prefix_->persist_all();
+  if (!opt_.prefix.persist_dir.empty())
+    (void)replay_.save((std::filesystem::path(opt_.prefix.persist_dir) / "replay.json").string(), opt_.prefix.identity);
   update_metrics();
 }
 

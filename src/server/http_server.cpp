@@ -306,7 +306,7 @@ HttpServer::HttpServer(runtime::Scheduler& scheduler, ApiContext ctx, ServerOpti
   s.svr.set_payload_max_length(s.opt.max_body);
   s.svr.set_read_timeout(30, 0);
   s.svr.set_write_timeout(30, 0);
-  s.svr.set_keep_alive_timeout(30);
+  s.svr.set_keep_alive_timeout(2);  // an idle connection closes soon (and so does stop())
   s.svr.set_keep_alive_max_count(1000);
   s.routes();
 }

@@ -61,10 +61,10 @@ text::ChatOptions chat_defaults(const ApiContext& ctx) {
   return o;
 }
 
-bool read_stop(Fields& f, const char* key, size_t max_count, std::vector<std::string>& out) {
+bool read_stop(Fields& f, const char* key, size_t max_count, std::vector<std::string>& out, bool allow_string = true) {
   const OrderedJson* s = f.any(key);
   if (!s) return f.ok();
-  if (s->is_string()) {
+  if (s->is_string() && allow_string) {
     out.push_back(s->get<std::string>());
   } else if (s->is_array()) {
     for (const OrderedJson& x : *s) {
@@ -635,7 +635,7 @@ Result<ParsedRequest> parse_messages(const OrderedJson& body, const ApiContext& 
   r.stream = f.boolean("stream").value_or(false);
   (void)f.number("temperature", 0, 1);  // Anthropic's range; read_sampling takes the value
   detail::read_sampling(f, r.spec, ctx);
-  read_stop(f, "stop_sequences", 16, r.spec.stop_strings);
+  read_stop(f, "stop_sequences", 16, r.spec.stop_strings, false);
   anthropic_tools(f, p);
   anthropic_thinking(f, p);
   detail::build_prompt(f, p, ctx, r.spec);
