@@ -9,7 +9,9 @@ namespace dsv4::runtime {
 namespace {
 
 constexpr uint32_t kInfinite = std::numeric_limits<uint32_t>::max() / 4;
-constexpr int kMaxExpandDepth = 512;  // nesting guard: deeper parses are dropped
+constexpr int kMaxExpandDepth = 512;   // nesting guard: deeper parses are dropped
+constexpr size_t kMaxStacks = 1024;     // ambiguity guard: parses beyond this many are dropped
+constexpr size_t kMaxCompletion = 1 << 20;  // bytes of a shortest completion, at most
 
 }  // namespace
 
@@ -221,6 +223,7 @@ GrammarMatcher::Stacks GrammarMatcher::step(const Stacks& from, uint8_t byte) co
   if (out.size() > 1) {
     std::sort(out.begin(), out.end());
     out.erase(std::unique(out.begin(), out.end()), out.end());
+    if (out.size() > kMaxStacks) out.resize(kMaxStacks);
   }
   return out;
 }
@@ -261,7 +264,7 @@ uint8_t representative(const ByteClass& c) {
 
 void GrammarMatcher::expand_shortest(uint32_t p, std::string& out, int depth) const {
   if (depth > kMaxExpandDepth) return;
-  for (; g_->program_[p].kind != Grammar::Element::kEnd; ++p) {
+  for (; g_->program_[p].kind != Grammar::Element::kEnd && out.size() < kMaxCompletion; ++p) {
     const Grammar::Element& e = g_->program_[p];
     if (e.kind == Grammar::Element::kClass) out.push_back(static_cast<char>(representative(g_->classes_[e.id])));
     else expand_shortest(g_->alt_starts_[e.id][g_->min_alt_[e.id]], out, depth + 1);

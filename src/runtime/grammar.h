@@ -52,6 +52,7 @@ class Grammar {
   Status finish(uint32_t root);
 
   uint32_t root() const { return root_; }
+  uint32_t min_length() const { return min_rule_.empty() ? 0 : min_rule_[root_]; }  // bytes of the shortest sentence
   size_t rule_count() const { return rules_.size(); }
 
  private:

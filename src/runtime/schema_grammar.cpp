@@ -15,6 +15,7 @@ using Seq = Grammar::Sequence;
 constexpr int kMaxDigits = 16;
 constexpr int64_t kMaxBoundedRepeat = 64;  // larger bounds are treated as unbounded
 constexpr int kMaxSchemaDepth = 64;
+constexpr uint32_t kMaxSentence = 1 << 16;  // bytes of the shortest output a schema may demand
 
 ByteClass range(int lo, int hi) {
   ByteClass c;
@@ -380,6 +381,8 @@ Result<std::shared_ptr<const Grammar>> json_schema_grammar(const OrderedJson& sc
   Compiler c(*g, schema, false);
   DSV4_ASSIGN_OR_RETURN(uint32_t root, c.value(schema, 0));
   DSV4_TRY(g->finish(root));
+  if (g->min_length() > kMaxSentence)
+    return Status::errorf("schema: its shortest output has {} bytes, more than the {} allowed", g->min_length(), kMaxSentence);
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
@@ -414,6 +417,8 @@ Result<std::shared_ptr<const Grammar>> build_output_grammar(const OutputGrammarS
   }
   const uint32_t root = spec.thinking ? c.avoid_then("</think>", {c.sym(body)}, false) : body;
   DSV4_TRY(g->finish(root));
+  if (g->min_length() > kMaxSentence)
+    return Status::errorf("schema: its shortest output has {} bytes, more than the {} allowed", g->min_length(), kMaxSentence);
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
