@@ -19,24 +19,18 @@ bool same_arguments(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-void ReplayStore::insert(std::string key, Turn turn) {
-  if (key.empty()) return;
-  // The same text generated again (maybe as other tokens): the newest turn is the one a
-  // client is about to send back.
-  if (auto it = turns_.find(key); it != turns_.end()) {
-    it->second = std::move(turn);
-    order_.remove(key);
-    order_.push_back(std::move(key));
-    return;
-  }
-  order_.push_back(key);
-  turns_.emplace(std::move(key), std::move(turn));
-  while (turns_.size() > capacity_) {
-    const std::string& old = order_.front();
-    for (auto it = by_call_id_.begin(); it != by_call_id_.end();)
-      it = it->second == old ? by_call_id_.erase(it) : std::next(it);
-    turns_.erase(old);
+void ReplayStore::insert(TurnPtr turn) {
+  if (turn->text.empty()) return;
+  by_text_[turn->text] = turn;  // the same text generated again: the newest wins
+  for (const std::string& id : turn->call_ids)
+    if (!id.empty()) by_call_id_[id] = turn;
+  order_.push_back(std::move(turn));
+  while (order_.size() > capacity_) {
+    const TurnPtr old = order_.front();
     order_.pop_front();
+    if (auto it = by_text_.find(old->text); it != by_text_.end() && it->second == old) by_text_.erase(it);
+    for (const std::string& id : old->call_ids)
+      if (auto it = by_call_id_.find(id); it != by_call_id_.end() && it->second == old) by_call_id_.erase(it);
   }
 }
 
@@ -46,21 +40,23 @@ void ReplayStore::remember(std::vector<int32_t> ids, std::string text, std::vect
   // produced became U+FFFD. The turn is keyed by that text and replays the raw tokens.
   text = text::utf8_lossy(text);
   std::lock_guard<std::mutex> lock(mu_);
-  Turn turn;
-  if (size_t at = text.find(kCallsMarker); at != std::string::npos) turn.calls_block = text.substr(at);
-  for (const std::string& id : call_ids)
-    if (!id.empty()) by_call_id_[id] = text;
+  auto turn = std::make_shared<Turn>();
+  if (size_t at = text.find(kCallsMarker); at != std::string::npos) turn->calls_block = text.substr(at);
   // The part after </think>: what a history that drops the reasoning renders.
   const size_t think_text = text.find("</think>");
   size_t think_token = 0;
   while (think_token < ids.size() && ids[think_token] != think_end) ++think_token;
   if (think_text != std::string::npos && think_token < ids.size()) {
-    Turn tail{std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(think_token) + 1, ids.end()),
-              turn.calls_block};
-    insert(text.substr(think_text + 8), std::move(tail));
+    auto tail = std::make_shared<Turn>();
+    tail->text = text.substr(think_text + 8);
+    tail->ids.assign(ids.begin() + static_cast<std::ptrdiff_t>(think_token) + 1, ids.end());
+    tail->calls_block = turn->calls_block;
+    insert(std::move(tail));
   }
-  turn.ids = std::move(ids);
-  insert(std::move(text), std::move(turn));
+  turn->text = std::move(text);
+  turn->ids = std::move(ids);
+  turn->call_ids = std::move(call_ids);
+  insert(std::move(turn));
 }
 
 void ReplayStore::apply(std::vector<text::ChatMessage>& messages) const {
@@ -68,9 +64,7 @@ void ReplayStore::apply(std::vector<text::ChatMessage>& messages) const {
   for (text::ChatMessage& m : messages) {
     if (m.role != "assistant" || m.tool_calls.empty() || m.raw_tool_calls) continue;
     auto first = by_call_id_.find(m.tool_calls[0].id);
-    if (first == by_call_id_.end()) continue;
-    auto turn = turns_.find(first->second);
-    if (turn == turns_.end() || turn->second.calls_block.empty()) continue;
+    if (first == by_call_id_.end() || first->second->calls_block.empty()) continue;
     bool same_turn = true;
     for (const text::ToolCall& c : m.tool_calls) {
       auto it = by_call_id_.find(c.id);
@@ -78,17 +72,18 @@ void ReplayStore::apply(std::vector<text::ChatMessage>& messages) const {
     }
     if (!same_turn) continue;
     text::OutputParser parser(text::ThinkingMode::kChat);
-    parser.push(turn->second.calls_block);
+    parser.push(first->second->calls_block);
     parser.finish();
     const auto& parsed = parser.result().tool_calls;
     bool match = parsed.size() == m.tool_calls.size();
     for (size_t i = 0; match && i < parsed.size(); ++i)
       match = parsed[i].name == m.tool_calls[i].name && same_arguments(parsed[i].arguments, m.tool_calls[i].arguments);
-    if (match) m.raw_tool_calls = turn->second.calls_block;
+    if (match) m.raw_tool_calls = first->second->calls_block;
   }
 }
 
-Result<std::vector<int32_t>> ReplayStore::tokenize(const text::Tokenizer& tok, std::string_view rendered) const {
+Result<std::vector<int32_t>> ReplayStore::tokenize(const text::Tokenizer& tok, std::string_view rendered,
+                                                   std::span<const text::ChatMessage> messages) const {
   std::vector<int32_t> out;
   auto encode = [&](std::string_view piece) -> Status {
     if (piece.empty()) return Status::ok();
@@ -97,7 +92,15 @@ Result<std::vector<int32_t>> ReplayStore::tokenize(const text::Tokenizer& tok, s
     return Status::ok();
   };
   std::lock_guard<std::mutex> lock(mu_);
+  // The turns the assistant messages came from, in order (null: not known by a call id).
+  std::vector<TurnPtr> hints;
+  for (const text::ChatMessage& m : messages) {
+    if (m.role != "assistant") continue;
+    auto it = m.tool_calls.empty() ? by_call_id_.end() : by_call_id_.find(m.tool_calls[0].id);
+    hints.push_back(it == by_call_id_.end() ? nullptr : it->second);
+  }
   size_t done = 0;  // rendered[0, done) is encoded
+  size_t body_index = 0;
   for (size_t a = rendered.find(text::kAssistantText); a != std::string_view::npos;
        a = rendered.find(text::kAssistantText, a + 1)) {
     if (a < done) continue;
@@ -108,11 +111,16 @@ Result<std::vector<int32_t>> ReplayStore::tokenize(const text::Tokenizer& tok, s
     const size_t end = rendered.find(text::kEosText, start);
     const size_t next = rendered.find(text::kAssistantText, start);
     if (end == std::string_view::npos || (next != std::string_view::npos && next < end)) continue;
-    auto it = turns_.find(std::string(rendered.substr(start, end - start)));
-    if (it == turns_.end() || text::utf8_lossy(tok.decode(it->second.ids)) != rendered.substr(start, end - start))
-      continue;
+    const std::string_view body = rendered.substr(start, end - start);
+    TurnPtr turn = body_index < hints.size() ? hints[body_index] : nullptr;
+    ++body_index;
+    if (!turn || turn->text != body) {
+      auto it = by_text_.find(std::string(body));
+      turn = it == by_text_.end() ? nullptr : it->second;
+    }
+    if (!turn || text::utf8_lossy(tok.decode(turn->ids)) != body) continue;
     DSV4_TRY(encode(rendered.substr(done, start - done)));
-    out.insert(out.end(), it->second.ids.begin(), it->second.ids.end());
+    out.insert(out.end(), turn->ids.begin(), turn->ids.end());
     done = end;
     ++replayed_;
   }
@@ -123,13 +131,9 @@ Result<std::vector<int32_t>> ReplayStore::tokenize(const text::Tokenizer& tok, s
 Status ReplayStore::save(const std::string& path, const std::string& identity) const {
   std::lock_guard<std::mutex> lock(mu_);
   nlohmann::json turns = nlohmann::json::array();
-  for (const std::string& key : order_) {
-    const Turn& t = turns_.at(key);
-    turns.push_back({{"text", key}, {"ids", t.ids}, {"calls_block", t.calls_block}});
-  }
-  nlohmann::json calls = nlohmann::json::object();
-  for (const auto& [id, key] : by_call_id_) calls[id] = key;
-  const nlohmann::json j = {{"identity", identity}, {"turns", turns}, {"call_ids", calls}};
+  for (const TurnPtr& t : order_)
+    turns.push_back({{"text", t->text}, {"ids", t->ids}, {"calls_block", t->calls_block}, {"call_ids", t->call_ids}});
+  const nlohmann::json j = {{"identity", identity}, {"turns", turns}};
   const std::string temp = path + ".tmp";
   {
     std::ofstream out(temp, std::ios::trunc);
@@ -149,27 +153,28 @@ Status ReplayStore::load(const std::string& path, const std::string& identity) {
   ss << in.rdbuf();
   const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("identity") || j["identity"] != identity ||
-      !j.contains("turns") || !j["turns"].is_array() || !j.contains("call_ids") || !j["call_ids"].is_object())
+      !j.contains("turns") || !j["turns"].is_array())
     return Status::errorf("{}: not a replay store of this model (ignored)", path);
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& t : j["turns"]) {
     if (!t.is_object() || !t.contains("text") || !t["text"].is_string() || !t.contains("ids") || !t["ids"].is_array() ||
-        !t.contains("calls_block") || !t["calls_block"].is_string())
+        !t.contains("calls_block") || !t["calls_block"].is_string() || !t.contains("call_ids") || !t["call_ids"].is_array())
       continue;
-    Turn turn;
+    auto turn = std::make_shared<Turn>();
+    turn->text = t["text"].get<std::string>();
     for (const auto& id : t["ids"])
-      if (id.is_number_integer()) turn.ids.push_back(id.get<int32_t>());
-    turn.calls_block = t["calls_block"];
-    insert(t["text"].get<std::string>(), std::move(turn));
+      if (id.is_number_integer()) turn->ids.push_back(id.get<int32_t>());
+    turn->calls_block = t["calls_block"].get<std::string>();
+    for (const auto& id : t["call_ids"])
+      if (id.is_string()) turn->call_ids.push_back(id.get<std::string>());
+    insert(std::move(turn));
   }
-  for (const auto& [id, key] : j["call_ids"].items())
-    if (key.is_string() && turns_.count(key.get<std::string>())) by_call_id_[id] = key;
   return Status::ok();
 }
 
 size_t ReplayStore::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return turns_.size();
+  return order_.size();
 }
 
 uint64_t ReplayStore::replayed_turns() const {

@@ -16,6 +16,8 @@
 
 #include <cstdint>
 #include <list>
+#include <memory>
+#include <span>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -42,7 +44,10 @@ class ReplayStore {
   // known, names and arguments equal as JSON).
   void apply(std::vector<text::ChatMessage>& messages) const;
 
-  Result<std::vector<int32_t>> tokenize(const text::Tokenizer& tokenizer, std::string_view rendered) const;
+  // `messages`: what was rendered; an assistant message whose calls are known takes that
+  // turn's own tokens (two turns may have written the same text as different tokens).
+  Result<std::vector<int32_t>> tokenize(const text::Tokenizer& tokenizer, std::string_view rendered,
+                                        std::span<const text::ChatMessage> messages = {}) const;
 
   // The whole store as a file (with the prefix caches of --kv-persist) and back; a file
   // written for another `identity` (model_identity()) is ignored.
@@ -54,16 +59,19 @@ class ReplayStore {
 
  private:
   struct Turn {
+    std::string text;             // as clients see it
     std::vector<int32_t> ids;
-    std::string calls_block;  // "\n\n<｜DSML｜tool_calls" ... as generated, or empty
+    std::string calls_block;      // "\n\n<｜DSML｜tool_calls" ... as generated, or empty
+    std::vector<std::string> call_ids;
   };
-  void insert(std::string key, Turn turn);
+  using TurnPtr = std::shared_ptr<const Turn>;
+  void insert(TurnPtr turn);
 
   mutable std::mutex mu_;
   size_t capacity_;
-  std::list<std::string> order_;  // keys, oldest first
-  std::unordered_map<std::string, Turn> turns_;  // turn text -> ids
-  std::unordered_map<std::string, std::string> by_call_id_;  // call id -> turn text
+  std::list<TurnPtr> order_;  // oldest first
+  std::unordered_map<std::string, TurnPtr> by_text_;     // the newest turn of each text
+  std::unordered_map<std::string, TurnPtr> by_call_id_;  // the turn that made each call
   mutable uint64_t replayed_ = 0;
 };
 

@@ -299,7 +299,7 @@ bool build_prompt(Fields& f, PromptSpec& p, const ApiContext& ctx, runtime::Requ
     f.fail("messages", rendered.status().message());
     return false;
   }
-  auto ids = ctx.replay ? ctx.replay->tokenize(*ctx.tokenizer, *rendered) : ctx.tokenizer->encode(*rendered);
+  auto ids = ctx.replay ? ctx.replay->tokenize(*ctx.tokenizer, *rendered, msgs) : ctx.tokenizer->encode(*rendered);
   if (!ids.is_ok()) {
     f.fail("messages", ids.status().message());
     return false;

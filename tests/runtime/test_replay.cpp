@@ -3,6 +3,8 @@
 // client's history still matches it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "runtime/replay.h"
 
 namespace dsv4::runtime {
@@ -76,6 +78,41 @@ TEST(ReplayStore, TurnsRenderAndTokenizeAsGenerated) {
   other[1].tool_calls[0].id = "call_9";
   store.apply(other);
   EXPECT_FALSE(other[1].raw_tool_calls.has_value());
+}
+
+// Two turns that wrote the same text as different tokens: each message gets its own.
+TEST(ReplayStore, SameTextDifferentTokensFollowTheirCalls) {
+  ReplayStore store;
+  const std::string calls =
+      "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"run\">\n<｜DSML｜parameter name=\"c\" "
+      "string=\"true\">make</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+  std::vector<int32_t> first = tok().encode(calls).value(), second = bytewise("\n\n");
+  const auto rest = tok().encode(calls.substr(2)).value();
+  second.insert(second.end(), rest.begin(), rest.end());
+  ASSERT_NE(first, second);
+  store.remember(first, calls, {"call_a"}, -1);
+  store.remember(second, calls, {"call_b"}, -1);
+  std::vector<ChatMessage> h{ChatMessage::of("user", "go")};
+  for (const char* id : {"call_a", "call_b"}) {
+    ChatMessage a = ChatMessage::of("assistant", "");
+    a.tool_calls.push_back({id, "run", R"({"c": "make"})"});
+    h.push_back(a);
+    ChatMessage r = ChatMessage::of("tool", "ok");
+    r.tool_call_id = id;
+    h.push_back(r);
+  }
+  store.apply(h);
+  text::ChatOptions o;
+  o.thinking = text::ThinkingMode::kChat;
+  const std::string rendered = *text::render_chat(h, o);
+  const auto ids = store.tokenize(tok(), rendered, h).value();
+  auto find = [&](const std::vector<int32_t>& needle, size_t from) {
+    return std::search(ids.begin() + static_cast<std::ptrdiff_t>(from), ids.end(), needle.begin(), needle.end()) - ids.begin();
+  };
+  const size_t a = static_cast<size_t>(find(first, 0));
+  ASSERT_LT(a, ids.size());
+  EXPECT_LT(static_cast<size_t>(find(second, a + first.size())), ids.size());
+  EXPECT_EQ(store.replayed_turns(), 2u);
 }
 
 TEST(ReplayStore, ForgetsTheOldestPastItsCapacity) {

@@ -150,6 +150,7 @@ int run_serve(ServeOptions& o) {
   api.max_context = ctx;
   api.vocab_size = config.vocab_size;
   api.replay = &scheduler.replay();
+  api.vocab = scheduler.vocab();
   api.default_thinking = !o.nothink;
   api.effort_table = o.effort_table == "0731" ? text::EffortTable::kV4_0731 : text::EffortTable::kV4;
 
