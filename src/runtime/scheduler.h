@@ -104,7 +104,6 @@ class Scheduler {
   std::deque<std::unique_ptr<Active>> waiting_;
   std::vector<std::unique_ptr<Active>> running_;
   uint64_t next_id_ = 1;
-  size_t rotate_ = 0;
   double ema_request_seconds_ = 1.0;
 
   std::atomic<bool> stopping_{false};

@@ -150,7 +150,7 @@ struct HttpServer::Impl {
       count(path, 200);
       res.set_chunked_content_provider(
           "text/event-stream",
-          [this, handle, fmt_, request, watch, begun](size_t, httplib::DataSink& sink) {
+          [handle, fmt_, request, watch, begun](size_t, httplib::DataSink& sink) {
             auto write = [&](const std::string& s) { return s.empty() || sink.write(s.data(), s.size()); };
             if (!*begun) {
               *begun = true;

@@ -79,12 +79,14 @@ bool Fields::has(const char* key) const { return obj_.is_object() && obj_.contai
 
 void Fields::only(std::initializer_list<const char*> known) {
   if (!ok()) return;
-  for (const auto& [key, value] : obj_.items())
+  for (const auto& item : obj_.items()) {
+    const std::string& key = item.key();
     if (std::none_of(known.begin(), known.end(), [&](const char* k) { return key == k; })) {
       std::string list;
       for (const char* k : known) list += (list.empty() ? "" : ", ") + std::string(k);
       return fail(key, fmt::format("unrecognized field (known fields: {})", list));
     }
+  }
 }
 
 const OrderedJson* Fields::any(const char* key) { return ok() && has(key) ? &obj_[key] : nullptr; }
