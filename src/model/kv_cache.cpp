@@ -411,6 +411,7 @@ Result<SlotSnapshot> KvCache::snapshot(const Sequence& seq) {
   SlotSnapshot snap;
   snap.position = seq.position_;
   snap.mtp_position = seq.mtp_position_;
+  snap.context = seq.plan_.context;
   for (const Tensor& r : rings_) {
     std::vector<float> host(static_cast<size_t>(window_ * r.cols()));
     DSV4_TRY(be_.download(r.slice(seq.slot_ * window_, window_), host.data(), host.size() * sizeof(float)));
@@ -427,10 +428,14 @@ Result<SlotSnapshot> KvCache::snapshot(const Sequence& seq) {
 }
 
 Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
-  if (snap.position > seq.position_ || snap.position < seq.window_start_ || snap.rings.size() != rings_.size() ||
-      snap.states.size() != states_kv_.size())
-    return Status::errorf("cache restore: snapshot at position {} does not fit a sequence at position {}",
-                          snap.position, seq.position_);
+  if (snap.rings.size() != rings_.size() || snap.states.size() != states_kv_.size() ||
+      snap.context != seq.plan_.context)
+    return Status::errorf("cache restore: a snapshot of a sequence of context {} does not fit one of context {}",
+                          snap.context, seq.plan_.context);
+  if (snap.position > seq.position_ || snap.position < seq.window_start_)
+    return Status::errorf(StatusCode::kOutOfRange,
+                          "cache restore: snapshot at position {} does not fit a sequence at position {} "
+                          "(first position {})", snap.position, seq.position_, seq.window_start_);
   for (size_t r = 0; r < rings_.size(); ++r)
     DSV4_TRY(be_.upload(rings_[r].slice(seq.slot_ * window_, window_), snap.rings[r].data(),
                         snap.rings[r].size() * sizeof(float)));
@@ -451,6 +456,175 @@ Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
   }
   seq.position_ = snap.position;
   seq.mtp_position_ = snap.mtp_position;
+  return Status::ok();
+}
+
+}  // namespace dsv4
+
+namespace dsv4 {
+namespace {
+
+// Little-endian (the only byte order dsv4 runs on) writer and bounds-checked reader.
+struct StateWriter {
+  std::vector<uint8_t> out;
+  void bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  void i64(int64_t v) { bytes(&v, sizeof v); }
+  uint8_t* grow(size_t n) {
+    out.resize(out.size() + n);
+    return out.data() + out.size() - n;
+  }
+};
+
+struct StateReader {
+  std::span<const uint8_t> in;
+  size_t at = 0;
+  Result<const uint8_t*> take(size_t n, const char* what) {
+    if (n > in.size() - at)
+      return Status::errorf("sequence state: {} at byte {} needs {} bytes, {} left", what, at, n, in.size() - at);
+    const uint8_t* p = in.data() + at;
+    at += n;
+    return p;
+  }
+  Result<int64_t> i64(const char* what) {
+    DSV4_ASSIGN_OR_RETURN(const uint8_t* p, take(sizeof(int64_t), what));
+    int64_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  // A field that must equal this cache's value.
+  Status expect(int64_t want, const char* what) {
+    DSV4_ASSIGN_OR_RETURN(int64_t v, i64(what));
+    if (v != want)
+      return Status::errorf("sequence state: {} is {}, this model's cache has {}", what, v, want);
+    return Status::ok();
+  }
+};
+
+constexpr char kStateMagic[8] = {'D', 'S', 'V', '4', 'S', 'E', 'Q', '2'};
+
+}  // namespace
+
+Status KvCache::write_rows(const Sequence& seq, int32_t list, int64_t begin, int64_t count, const float* rows) {
+  const Pool& pool = *pools_[tables_[list].pool];
+  const int64_t P = pool.page_rows, width = plan_.lists.at(list).width;
+  const std::vector<int32_t>& pages = seq.pages_[list];
+  for (int64_t r = begin; r < begin + count;) {
+    const int64_t pi = r / P, end = std::min(begin + count, (pi + 1) * P);
+    if (pi >= static_cast<int64_t>(pages.size()) || pages[pi] < 0)
+      return Status::errorf(StatusCode::kInternal, "cache: row {} of list {} has no page", r, list);
+    DSV4_TRY(be_.upload(pool.data.slice(int64_t{pages[pi]} * P + r % P, end - r), rows + (r - begin) * width,
+                        static_cast<size_t>((end - r) * width) * sizeof(float)));
+    r = end;
+  }
+  return Status::ok();
+}
+
+Result<std::vector<uint8_t>> KvCache::export_state(const Sequence& seq) {
+  if (seq.cache_ != this) return Status::error(StatusCode::kInternal, "cache: sequence from another cache");
+  if (seq.window_start_ != 0)
+    return Status::error("sequence state: a grafted sequence is not exported (its first rows are the graft's)");
+  StateWriter w;
+  w.bytes(kStateMagic, sizeof kStateMagic);
+  w.i64(static_cast<int64_t>(rings_.size()));
+  w.i64(window_);
+  w.i64(static_cast<int64_t>(states_kv_.size()));
+  w.i64(static_cast<int64_t>(plan_.lists.size()));
+  w.i64(seq.position_);
+  w.i64(seq.mtp_position_);
+  for (const Tensor& r : rings_) {
+    w.i64(r.cols());
+    const size_t n = static_cast<size_t>(window_ * r.cols()) * sizeof(float);
+    DSV4_TRY(be_.download(r.slice(seq.slot_ * window_, window_), w.grow(n), n));
+  }
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    const int64_t rows = state_rows_[s];
+    w.i64(rows);
+    w.i64(states_kv_[s].cols());
+    const size_t n = static_cast<size_t>(rows * states_kv_[s].cols()) * sizeof(float);
+    DSV4_TRY(be_.download(states_kv_[s].slice(seq.slot_ * rows, rows), w.grow(n), n));
+    DSV4_TRY(be_.download(states_score_[s].slice(seq.slot_ * rows, rows), w.grow(n), n));
+  }
+  for (size_t l = 0; l < plan_.lists.size(); ++l) {
+    const int32_t list = static_cast<int32_t>(l);
+    const int64_t rows = rows_at(list, seq.position_);
+    w.i64(plan_.lists[l].ratio);
+    w.i64(plan_.lists[l].width);
+    w.i64(rows);
+    DSV4_ASSIGN_OR_RETURN(std::vector<float> host, read_rows(seq, list, 0, rows));
+    w.bytes(host.data(), host.size() * sizeof(float));
+  }
+  return std::move(w.out);
+}
+
+Status KvCache::import_state(Sequence& seq, std::span<const uint8_t> bytes) {
+  if (seq.cache_ != this || seq.position_ != 0)
+    return Status::error(StatusCode::kInternal, "cache: a state is imported into a fresh sequence only");
+  StateReader r{bytes};
+  DSV4_ASSIGN_OR_RETURN(const uint8_t* magic, r.take(sizeof kStateMagic, "the magic"));
+  if (std::memcmp(magic, kStateMagic, sizeof kStateMagic) != 0)
+    return Status::error("sequence state: not a dsv4 sequence state of this version (bad magic)");
+  DSV4_TRY(r.expect(static_cast<int64_t>(rings_.size()), "the window ring count"));
+  DSV4_TRY(r.expect(window_, "the window length"));
+  DSV4_TRY(r.expect(static_cast<int64_t>(states_kv_.size()), "the compressor state count"));
+  DSV4_TRY(r.expect(static_cast<int64_t>(plan_.lists.size()), "the cache list count"));
+  DSV4_ASSIGN_OR_RETURN(int64_t position, r.i64("the position"));
+  DSV4_ASSIGN_OR_RETURN(int64_t mtp_position, r.i64("the MTP position"));
+  if (position < 0 || mtp_position < 0 || mtp_position > position ||
+      static_cast<uint64_t>(position) > seq.plan_.context)
+    return Status::errorf(StatusCode::kOutOfRange,
+                          "sequence state: position {} (MTP {}) outside the sequence's context of {}", position,
+                          mtp_position, seq.plan_.context);
+  // Every field is checked before the pages are committed, so a damaged state changes nothing.
+  const size_t body = r.at;
+  for (const Tensor& ring : rings_) {
+    DSV4_TRY(r.expect(ring.cols(), "a window ring's width"));
+    DSV4_TRY(r.take(static_cast<size_t>(window_ * ring.cols()) * sizeof(float), "a window ring").status());
+  }
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    DSV4_TRY(r.expect(state_rows_[s], "a compressor state's rows"));
+    DSV4_TRY(r.expect(states_kv_[s].cols(), "a compressor state's width"));
+    DSV4_TRY(r.take(2 * static_cast<size_t>(state_rows_[s] * states_kv_[s].cols()) * sizeof(float),
+                    "a compressor state").status());
+  }
+  for (size_t l = 0; l < plan_.lists.size(); ++l) {
+    DSV4_TRY(r.expect(plan_.lists[l].ratio, "a cache list's ratio"));
+    DSV4_TRY(r.expect(plan_.lists[l].width, "a cache list's width"));
+    DSV4_TRY(r.expect(rows_at(static_cast<int32_t>(l), position), "a cache list's rows at the state's position"));
+    DSV4_TRY(r.take(static_cast<size_t>(rows_at(static_cast<int32_t>(l), position) * plan_.lists[l].width) *
+                        sizeof(float), "a cache list's rows").status());
+  }
+  if (r.at != bytes.size())
+    return Status::errorf("sequence state: {} bytes after the state's end at byte {}", bytes.size() - r.at, r.at);
+
+  DSV4_TRY(prepare(seq, position));
+  r.at = body;
+  for (const Tensor& ring : rings_) {
+    r.at += sizeof(int64_t);
+    const size_t n = static_cast<size_t>(window_ * ring.cols()) * sizeof(float);
+    DSV4_TRY(be_.upload(ring.slice(seq.slot_ * window_, window_), *r.take(n, "a window ring"), n));
+  }
+  for (size_t s = 0; s < states_kv_.size(); ++s) {
+    r.at += 2 * sizeof(int64_t);
+    const int64_t rows = state_rows_[s];
+    const size_t n = static_cast<size_t>(rows * states_kv_[s].cols()) * sizeof(float);
+    DSV4_TRY(be_.upload(states_kv_[s].slice(seq.slot_ * rows, rows), *r.take(n, "a compressor state"), n));
+    DSV4_TRY(be_.upload(states_score_[s].slice(seq.slot_ * rows, rows), *r.take(n, "a compressor state"), n));
+  }
+  for (size_t l = 0; l < plan_.lists.size(); ++l) {
+    r.at += 3 * sizeof(int64_t);
+    const int32_t list = static_cast<int32_t>(l);
+    const int64_t rows = rows_at(list, position);
+    const size_t n = static_cast<size_t>(rows * plan_.lists[l].width) * sizeof(float);
+    // The rows are copied out first: the state's bytes need not be aligned for floats.
+    std::vector<float> host(static_cast<size_t>(rows * plan_.lists[l].width));
+    std::memcpy(host.data(), *r.take(n, "a cache list's rows"), n);
+    DSV4_TRY(write_rows(seq, list, 0, rows, host.data()));
+  }
+  seq.position_ = position;
+  seq.mtp_position_ = mtp_position;
   return Status::ok();
 }
 

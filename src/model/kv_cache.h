@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "backend/backend.h"
@@ -39,6 +40,7 @@ struct KvCacheOptions {
 struct SlotSnapshot {
   int64_t position = 0;
   int64_t mtp_position = 0;
+  uint64_t context = 0;                    // the sequence's context: a snapshot fits only its like
   std::vector<std::vector<float>> rings;   // per ring: window * head_dim
   std::vector<std::vector<float>> states;  // per state: kv then score
 };
@@ -84,6 +86,15 @@ class KvCache {
   // Rewinds seq to the snapshot: rings and states restored, rows past it released.
   Status restore(Sequence& seq, const SlotSnapshot& snap);
 
+  // seq's whole state as bytes: a header naming the cache's shape and the position, then
+  // every ring and compressor state of its slot and every row its lists hold. A grafted
+  // sequence is refused (its rows below the footprint belong to the bank).
+  Result<std::vector<uint8_t>> export_state(const Sequence& seq);
+  // Loads such bytes into a freshly attached seq (position 0): the header is checked
+  // against this cache before anything is committed, pages are committed as prepare()
+  // would, and the positions set. On failure seq keeps position 0 and no rows.
+  Status import_state(Sequence& seq, std::span<const uint8_t> bytes);
+
   // Benchmarks only (Model::fill_for_benchmark): an empty `seq` as if it had processed
   // `position` tokens: pages through `position` committed, every ring, state and row of it
   // random finite values (counter-based, keyed by `seed`), positions set. On failure the
@@ -101,6 +112,7 @@ class KvCache {
   int64_t rows_at(int32_t list, int64_t position) const;
   void set_page(int32_t list, uint32_t slot, size_t index, int32_t page);
   Status reset_states(uint32_t slot);
+  Status write_rows(const Sequence& seq, int32_t list, int64_t begin, int64_t count, const float* rows);
 
   const ModelPlan& plan_;
   backend::Backend& be_;

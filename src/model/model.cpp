@@ -185,8 +185,9 @@ Result<std::unique_ptr<Sequence>> Model::fork(const Sequence& seq) const {
 
 uint64_t SequenceSnapshot::bytes() const {
   uint64_t n = 0;
-  for (const auto& r : snap_.rings) n += r.size() * sizeof(float);
-  for (const auto& s : snap_.states) n += s.size() * sizeof(float);
+  if (!state_) return 0;
+  for (const auto& r : state_->rings) n += r.size() * sizeof(float);
+  for (const auto& s : state_->states) n += s.size() * sizeof(float);
   return n;
 }
 
@@ -201,13 +202,15 @@ Status Model::fill_for_benchmark(Sequence& seq, int64_t position, uint64_t seed)
 Result<SequenceSnapshot> Model::snapshot(const Sequence& seq) const {
   if (seq.cache_ != cache_.get()) return Status::error("snapshot: the sequence belongs to another model");
   SequenceSnapshot s;
-  DSV4_ASSIGN_OR_RETURN(s.snap_, cache_->snapshot(seq));
+  DSV4_ASSIGN_OR_RETURN(SlotSnapshot state, cache_->snapshot(seq));
+  s.state_ = std::make_shared<const SlotSnapshot>(std::move(state));
   return s;
 }
 
 Status Model::restore(Sequence& seq, const SequenceSnapshot& snap) const {
   if (seq.cache_ != cache_.get()) return Status::error("restore: the sequence belongs to another model");
-  return cache_->restore(seq, snap.snap_);
+  if (!snap.valid()) return Status::error("restore: an empty snapshot");
+  return cache_->restore(seq, *snap.state_);
 }
 
 Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, ForwardTrace* trace) const {

@@ -7,6 +7,10 @@
 //   auto logits = (*model)->prefill(**seq, prompt_ids);        // logits of the last token
 //   logits = (*model)->decode(**seq, next_id);                 // one token
 //
+// Prefix reuse and preemption: fork() copies a sequence, snapshot() keeps the small mutable
+// part of its state at its position, restore() rewinds it there; export_sequence() and
+// import_sequence() write and read a whole state as bytes (the server's disk cache).
+//
 // forward() runs several independent sequences in one step; each item appends its
 // tokens at its sequence's next positions. Results are bit-identical whatever the
 // chunking and batching (backend.h explains why). The model's cache manager (kv_cache.h)
@@ -77,18 +81,6 @@ struct SampleSpec {
   std::vector<LogitAdjustment> adjust;  // distinct tokens
 };
 
-// The mutable parts of a sequence at one position (window rings, compressor states,
-// positions), kept on the host: restore() rewinds a sequence to it exactly.
-class SequenceSnapshot {
- public:
-  int64_t position() const { return snap_.position; }
-  uint64_t bytes() const;
-
- private:
-  friend class Model;
-  SlotSnapshot snap_;
-};
-
 struct BatchItem {
   Sequence* sequence = nullptr;
   std::span<const int32_t> tokens;  // appended at sequence->position()
@@ -116,6 +108,21 @@ struct MtpItem {
   Sequence* sequence = nullptr;
   std::span<const float> streams;        // [n, hc_mult * hidden]
   std::span<const int32_t> next_tokens;  // [n]
+};
+
+// The mutable parts of a sequence's state at one position (Model::snapshot): window
+// rings, compressor states, the position and entry counts. Compressed entries and indexer
+// keys before the position are append-only, so they are not copied. Snapshots are values:
+// copies share one immutable state.
+class SequenceSnapshot {
+ public:
+  bool valid() const { return state_ != nullptr; }
+  int64_t position() const { return state_ ? state_->position : 0; }  // trunk tokens processed when taken
+  uint64_t bytes() const;  // memory the snapshot holds
+
+ private:
+  friend class Model;
+  std::shared_ptr<const SlotSnapshot> state_;
 };
 
 class Model {
@@ -184,6 +191,13 @@ class Model {
   // make`): seq's position must be a multiple of the largest compress ratio, and becomes
   // the bank's footprint.
   Result<KvGraft> extract_graft(const Sequence& seq) const;
+
+  // The whole state of seq as bytes (a header naming the cache shape, then every row in
+  // use), and a fresh sequence in such a state, charged to the model's cache budget. Bytes
+  // of another cache shape, or damaged ones, are refused with the field that differs.
+  Result<std::vector<uint8_t>> export_sequence(const Sequence& seq) const;
+  Result<std::unique_ptr<Sequence>> import_sequence(std::span<const uint8_t> bytes,
+                                                    const SequenceOptions& options) const;
 
   // Conveniences over forward() for one sequence.
   Result<std::vector<float>> prefill(Sequence& seq, std::span<const int32_t> tokens,

@@ -243,7 +243,9 @@ Result<std::string> render_turn(size_t index, const std::vector<Turn>& turns, co
     out += std::string(kLatestReminderText) + content_or(m.content, "None");
   } else if (t.role == "assistant") {
     std::string calls;
-    if (!m.tool_calls.empty()) {
+    if (m.raw_tool_calls) {
+      calls = *m.raw_tool_calls;
+    } else if (!m.tool_calls.empty()) {
       DSV4_ASSIGN_OR_RETURN(calls, render_tool_calls(m.tool_calls));
     }
     const bool prev_has_task = index > 0 && turns[index - 1].task().has_value();

@@ -49,6 +49,9 @@ struct ChatMessage {
   OrderedJson response_format;                   // system/developer; null = none
   std::optional<std::string> task;  // action, query, authority, domain, read_url, title
   bool wo_eos = false;              // assistant: leave out the final EOS (prefill)
+  // assistant: the DSML call block exactly as the model wrote it, rendered instead of
+  // tool_calls (a server's exact replay: the history re-renders byte for byte)
+  std::optional<std::string> raw_tool_calls;
 
   static ChatMessage of(std::string role, std::string content) {
     ChatMessage m;

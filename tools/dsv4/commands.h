@@ -32,5 +32,6 @@ void register_quant(CLI::App& app, CommandRunner& run);     // cmd_quant.cpp
 void register_engram(CLI::App& app, CommandRunner& run);    // cmd_engram.cpp
 void register_bench(CLI::App& app, CommandRunner& run);     // cmd_bench.cpp
 void register_chat_render(CLI::App& app, CommandRunner& run);  // cmd_chat_render.cpp
+void register_serve(CLI::App& app, CommandRunner& run);     // cmd_serve.cpp
 
 }  // namespace dsv4::cli

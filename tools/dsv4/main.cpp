@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   // One line per subcommand (each defined in cmd_<name>.cpp, declared in commands.h).
   (void)add;
   add("run", "Answer one prompt, streaming the reply (built-in tiny model without -m)", register_run);
+  add("serve", "OpenAI-, Anthropic- and Responses-compatible HTTP server (continuous batching, prefix reuse)", register_serve);
   add("chat", "Talk with a model interactively (/think, /nothink, /reset, /quit; Ctrl-C stops a reply)", register_chat);
   add("tokenize", "Turn text into token ids (development tool)", register_tokenize);
   add("gguf", "Inspect or rewrite GGUF files: dump, copy (development tools)", register_gguf);

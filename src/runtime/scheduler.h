@@ -1,0 +1,113 @@
+// Continuous batching of many requests over one model and one KV-cache budget.
+//
+// Each step() builds one batch under a token budget: first a decode token for every
+// running request that has one (by priority, then age), then prefill chunks of the
+// others (by priority, round-robin among equals, so long prompts share the rest and
+// decoders keep their pace), and runs it as one Model::forward. Then each request whose
+// sequence has caught up with its tokens samples its next token.
+//
+// Admission. submit() refuses, with the numbers, what can never run: a prompt that leaves
+// no room in the context (kOutOfRange) and a request whose cache plan (CachePlan of
+// prompt + max_tokens) exceeds the whole budget (kInvalidArgument); and, when the queue
+// is full, anything (kResourceExhausted, with a retry estimate). A queued request starts
+// when a slot is free (max_seqs) and its plan fits next to what the running sequences
+// have committed; its sequence comes from the prefix cache (prefix_cache.h).
+//
+// Memory is committed as rows are written, so running requests may outgrow the budget
+// together: a step that cannot get memory evicts idle prefix-cache entries, then drops
+// the running entries' snapshots, then preempts the lowest-priority (youngest) request — its sequence is freed and it goes
+// back to the queue, to resume later by recomputing its tokens (bit-identical: the
+// forward pass does not depend on chunking) with its sampler state intact.
+//
+// Cancellation (RequestHandle::cancel) is seen at the start of the next step, which
+// frees the sequence (into the prefix cache). Thread-safe: submit(), stats() and the
+// handles from any thread; step() from one (start() runs it on its own thread).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "model/model.h"
+#include "runtime/metrics.h"
+#include "runtime/prefix_cache.h"
+#include "runtime/replay.h"
+#include "runtime/request.h"
+#include "text/tokenizer.h"
+
+namespace dsv4::runtime {
+
+struct SchedulerOptions {
+  uint64_t max_context = 0;       // tokens per sequence; 0: the model's context length
+  size_t max_seqs = 8;            // running sequences
+  size_t max_queue = 64;          // waiting requests
+  int64_t batch_tokens = 256;     // tokens per forward
+  uint64_t kv_budget = 0;         // bytes for every sequence and snapshot; 0: unlimited
+  PrefixCacheOptions prefix;
+};
+
+// A rejection from submit(): the status, and for a full queue a retry estimate.
+struct Rejection {
+  Status status;
+  int retry_after_seconds = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(const Model& model, const text::Tokenizer& tokenizer, SchedulerOptions options);
+  ~Scheduler();  // stops the thread; unfinished requests end with kCancelled
+
+  // The handle, or why not (the status carries the code for the HTTP status).
+  std::shared_ptr<RequestHandle> submit(RequestSpec spec, Rejection* rejected);
+
+  bool step();  // one batch; false when there was nothing to do
+  void start();  // step() on a background thread until stop()
+  void stop();   // ends the thread, cancels what is left, persists the prefix cache
+
+  SchedulerMetrics metrics() const;
+  ReplayStore& replay() { return replay_; }
+  const SchedulerOptions& options() const { return opt_; }
+  uint64_t max_context() const { return opt_.max_context; }
+  std::shared_ptr<const VocabTrie> vocab() const { return vocab_; }
+
+ private:
+  struct Active;
+  bool admit();
+  bool fits_now(const Active& r) const;
+  void sample(Active& r, std::span<const float> logits);
+  void emit_text(Active& r, std::string_view text, RequestEvent& ev);
+  void finish(Active& r, FinishReason why, Status error = Status::ok());
+  void preempt(Active& r);
+  void cancel_all(const Status& why);
+  void update_metrics();
+
+  const Model& model_;
+  const text::Tokenizer& tok_;
+  SchedulerOptions opt_;
+  std::shared_ptr<CacheBudget> budget_;
+  std::unique_ptr<PrefixCache> prefix_;
+  std::shared_ptr<const VocabTrie> vocab_;
+  ReplayStore replay_;
+  int32_t think_end_ = -1;
+
+  mutable std::mutex mu_;  // guards incoming_, metrics_
+  std::condition_variable wake_;
+  std::deque<std::unique_ptr<Active>> incoming_;
+  SchedulerMetrics metrics_;
+
+  // Scheduler-thread state.
+  std::deque<std::unique_ptr<Active>> waiting_;
+  std::vector<std::unique_ptr<Active>> running_;
+  uint64_t next_id_ = 1;
+  double ema_request_seconds_ = 1.0;
+
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace dsv4::runtime

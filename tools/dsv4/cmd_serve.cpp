@@ -1,0 +1,231 @@
+// dsv4 serve: an OpenAI-, Anthropic- and Responses-compatible HTTP server over one
+// model: continuous batching of many requests, prefix reuse across them, one KV-cache
+// budget for all (docs/SERVER.md). Without -m it serves the built-in tiny model, whose
+// random weights make noise but exercise every path. SIGINT or SIGTERM stops it
+// cleanly: running requests end, idle prefix caches are persisted (--kv-persist).
+#include <fmt/format.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "backend/cpu/cpu_backend.h"
+#include "commands.h"
+#include "gguf/gguf_file.h"
+#include "model/model.h"
+#include "runtime/scheduler.h"
+#include "server/http_server.h"
+#include "synth/builtin_model.h"
+#include "text/tokenizer.h"
+
+namespace dsv4::cli {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void on_signal(int) { g_stop.store(true); }
+
+struct ServeOptions {
+  std::string model;
+  std::string backend = "cpu";
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  std::string port_file;
+  std::string api_key;
+  uint64_t ctx = 0;
+  size_t max_seqs = 8;
+  size_t max_queue = 64;
+  int64_t batch_tokens = 256;
+  std::string kv_budget = "0";
+  std::string kv_persist;
+  std::string kv_persist_budget = "1G";
+  int64_t snapshot_interval = 0;
+  size_t cache_entries = 16;
+  std::vector<std::string> served_names;
+  bool any_model = false;
+  bool think = false, nothink = false;
+  std::string effort_table = "v4";
+  int threads = 0;
+  bool fast = false;
+  std::string max_body = "16M";
+  int http_threads = 64;
+};
+
+// "1048576", "512K", "8M", "2G", "1T" (powers of 1024).
+Result<uint64_t> parse_bytes(const std::string& flag, const std::string& s) {
+  size_t used = 0;
+  unsigned long long v = 0;
+  try {
+    v = std::stoull(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = s.substr(used);
+  uint64_t mult = 1;
+  if (unit == "K" || unit == "KiB" || unit == "k") mult = 1ull << 10;
+  else if (unit == "M" || unit == "MiB") mult = 1ull << 20;
+  else if (unit == "G" || unit == "GiB") mult = 1ull << 30;
+  else if (unit == "T" || unit == "TiB") mult = 1ull << 40;
+  else if (!unit.empty() || used == 0) return Status::errorf("{} '{}': expected bytes, e.g. 1048576, 512M or 8G", flag, s);
+  if (v > UINT64_MAX / mult) return Status::errorf("{} '{}' is too large", flag, s);
+  return static_cast<uint64_t>(v) * mult;
+}
+
+int fail(const Status& s, int code = kExitFailure) {
+  fmt::print(stderr, "dsv4 serve: {}\n", s.message());
+  return code;
+}
+
+int run_serve(ServeOptions& o) {
+  if (o.backend != "cpu")
+    return fail(Status::errorf("--backend {}: this build has the cpu backend only", o.backend), kExitUsage);
+  auto kv_budget = parse_bytes("--kv-budget", o.kv_budget);
+  auto persist_budget = parse_bytes("--kv-persist-budget", o.kv_persist_budget);
+  auto max_body = parse_bytes("--max-body", o.max_body);
+  for (const auto* r : {&kv_budget, &persist_budget, &max_body})
+    if (!r->is_ok()) return fail(r->status(), kExitUsage);
+  if (o.max_seqs == 0) return fail(Status::error("--max-seqs must be at least 1"), kExitUsage);
+  if (o.batch_tokens < 1) return fail(Status::error("--batch-tokens must be at least 1"), kExitUsage);
+  if (o.api_key.empty())
+    if (const char* env = std::getenv("DSV4_API_KEY"); env && *env) o.api_key = env;
+
+  std::string path = o.model;
+  bool builtin = false;
+  if (path.empty()) {
+    auto p = ensure_builtin_model([](std::string_view line) { fmt::print(stderr, "dsv4 serve: {}\n", line); });
+    if (!p.is_ok()) return fail(p.status());
+    path = p->string();
+    builtin = true;
+  }
+  std::unique_ptr<text::Tokenizer> tokenizer;
+  {
+    gguf::OpenOptions header_only;
+    header_only.map_data = false;
+    auto file = gguf::GgufFile::open(path, header_only);
+    if (!file.is_ok()) return fail(file.status());
+    auto tok = text::Tokenizer::from_gguf(*file);
+    if (!tok.is_ok()) return fail(tok.status());
+    tokenizer = std::make_unique<text::Tokenizer>(std::move(*tok));
+  }
+  backend::CpuBackend cpu(o.threads);
+  ModelOptions mo;
+  mo.matmul = o.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
+  auto model = Model::load(path, cpu, mo);
+  if (!model.is_ok()) return fail(model.status());
+  const ModelConfig& config = (*model)->config();
+  if (o.ctx > config.context_length)
+    return fail(Status::errorf("--ctx {} exceeds the model's context length {}", o.ctx, config.context_length), kExitUsage);
+  const uint64_t ctx = o.ctx ? o.ctx : config.context_length;
+
+  runtime::SchedulerOptions so;
+  so.max_context = ctx;
+  so.max_seqs = o.max_seqs;
+  so.max_queue = o.max_queue;
+  so.batch_tokens = o.batch_tokens;
+  so.kv_budget = *kv_budget;
+  so.prefix.snapshot_interval = o.snapshot_interval;
+  so.prefix.max_idle = o.cache_entries;
+  if (!o.kv_persist.empty()) {
+    auto identity = runtime::model_identity(path, mo);
+    if (!identity.is_ok()) return fail(identity.status());
+    so.prefix.persist_dir = o.kv_persist;
+    so.prefix.persist_budget = *persist_budget;
+    so.prefix.identity = *identity;
+  }
+  if (so.kv_budget) {
+    auto one = CachePlan::compute(config, std::min<uint64_t>(ctx, 1), false);
+    if (one.is_ok() && one->total() > so.kv_budget)
+      return fail(Status::errorf("--kv-budget {} bytes cannot hold even one sequence ({} bytes fixed)", so.kv_budget,
+                                 one->total()), kExitUsage);
+  }
+  runtime::Scheduler scheduler(**model, *tokenizer, so);
+
+  server::ApiContext api;
+  api.tokenizer = tokenizer.get();
+  api.model_names = o.served_names;
+  if (api.model_names.empty()) api.model_names.push_back(std::filesystem::path(path).stem().string());
+  api.any_model = o.any_model;
+  api.max_context = ctx;
+  api.vocab_size = config.vocab_size;
+  api.replay = &scheduler.replay();
+  api.vocab = scheduler.vocab();
+  api.default_thinking = !o.nothink;
+  api.effort_table = o.effort_table == "0731" ? text::EffortTable::kV4_0731 : text::EffortTable::kV4;
+
+  server::ServerOptions http;
+  http.host = o.host;
+  http.port = o.port;
+  http.api_key = o.api_key;
+  http.max_body = *max_body;
+  http.http_threads = o.http_threads;
+  server::HttpServer srv(scheduler, api, http);
+  if (Status s = srv.bind(); !s.is_ok()) return fail(s);
+  if (!o.port_file.empty()) {
+    std::ofstream pf(o.port_file + ".tmp");
+    pf << srv.bound_port() << "\n";
+    pf.close();
+    std::filesystem::rename(o.port_file + ".tmp", o.port_file);
+  }
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+  scheduler.start();
+  fmt::print(stderr,
+             "dsv4 serve: http://{}:{} serving {} as {}{} | ctx {} | max-seqs {} | kv-budget {} | batch {} tokens{}\n",
+             o.host, srv.bound_port(), path, api.model_names[0], builtin ? " (built-in tiny model, random weights)" : "",
+             ctx, o.max_seqs, so.kv_budget ? fmt::format("{} B", so.kv_budget) : "unlimited", o.batch_tokens,
+             o.api_key.empty() ? "" : " | API key required");
+  std::thread watcher([&] {
+    while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    scheduler.stop();  // running requests end (their streams close), caches persist
+    srv.stop();
+  });
+  srv.run();
+  g_stop.store(true);
+  watcher.join();
+  const runtime::SchedulerMetrics m = scheduler.metrics();
+  fmt::print(stderr, "dsv4 serve: stopped after {} requests ({} prompt tokens, {} cached, {} generated)\n",
+             m.requests_finished, m.prompt_tokens, m.cached_prompt_tokens, m.generated_tokens);
+  return kExitOk;
+}
+
+}  // namespace
+
+void register_serve(CLI::App& app, CommandRunner& run) {
+  auto o = std::make_shared<ServeOptions>();
+  app.add_option("-m,--model", o->model, "GGUF model file (default: the built-in tiny model, random weights)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--backend", o->backend, "compute backend: cpu")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--host", o->host, "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)");
+  app.add_option("--port", o->port, "TCP port (default 8080; 0: any free port)")->check(CLI::Range(0, 65535));
+  app.add_option("--port-file", o->port_file, "write the port listened on to this file (with --port 0)");
+  app.add_option("--api-key", o->api_key, "require this key (Authorization: Bearer KEY or x-api-key); default: $DSV4_API_KEY");
+  app.add_option("--ctx", o->ctx, "tokens per sequence (default: the model's context length)");
+  app.add_option("--max-seqs", o->max_seqs, "sequences generated at once (default 8)");
+  app.add_option("--max-queue", o->max_queue, "requests waiting beyond those; more get 429 (default 64)");
+  app.add_option("--batch-tokens", o->batch_tokens, "tokens per forward pass: decodes plus prefill chunks (default 256)");
+  app.add_option("--kv-budget", o->kv_budget, "bytes for every sequence's cache and snapshot, e.g. 8G (default: unlimited)");
+  app.add_option("--kv-persist", o->kv_persist, "folder for prefix caches that outlive the process");
+  app.add_option("--kv-persist-budget", o->kv_persist_budget, "bytes on disk for --kv-persist (default 1G)");
+  app.add_option("--snapshot-interval", o->snapshot_interval,
+                 "tokens between prefix-cache snapshots (default: 8 compression blocks)");
+  app.add_option("--cache-entries", o->cache_entries, "finished sequences kept for prefix reuse (default 16)");
+  app.add_option("--served-model-name", o->served_names, "model name clients use (repeatable; default: the file's stem)");
+  app.add_flag("--any-model", o->any_model, "accept any model name in requests");
+  auto* think = app.add_flag("--think", o->think, "reason first unless a request says otherwise (default)");
+  app.add_flag("--nothink", o->nothink, "answer directly unless a request asks for reasoning")->excludes(think);
+  app.add_option("--effort-table", o->effort_table, "reasoning-effort prompts of: v4 or 0731")->check(CLI::IsMember({"v4", "0731"}));
+  app.add_option("-t,--threads", o->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--fast", o->fast, "integer dot products on quantised activations (not the fp32 reference)");
+  app.add_option("--max-body", o->max_body, "largest request body; larger get 413 (default 16M)");
+  app.add_option("--http-threads", o->http_threads, "connections served at once (default 64)");
+  run = [o] { return run_serve(*o); };
+}
+
+}  // namespace dsv4::cli
