@@ -12,7 +12,8 @@ tests/llamacpp/build.sh): the issue-12 checks 1 and 2.
 
 The agreement is measured as the relative L2 distance of each row of logits,
 |dsv4 - llama| / |llama|, and the fraction of rows whose argmax agrees; both are printed and
-held to the bounds in TOLERANCES (measured values and the reasons for them: docs/MODEL-FILES.md).
+held to F32_BOUND where both sides multiply in f32 (QUANT_TYPES says how quantised files are
+checked; measured values: docs/MODEL-FILES.md).
 
 Environment: DSV4_CLI (the dsv4 binary), LLAMACPP_BUILD (the build folder; default: run
 build.sh), DSV4_LLAMACPP_TYPES (a comma-separated subset of the quantisation types).
@@ -30,30 +31,24 @@ CLI = os.environ.get("DSV4_CLI", str(HERE.parent.parent / "build" / "dsv4"))
 N_TOKENS = 300  # past two compressed entries of the ratio-128 layers (positions 128 and 256)
 THREADS = str(os.cpu_count() or 2)
 
-# llama-quantize type -> (needs an importance matrix, bound on the worst row's relative L2,
-# least fraction of rows with the same argmax). f32 is the unquantised file. Quantised
-# files differ by llama.cpp's integer dot products on Q8_K/Q8_0 activations (dsv4 score
-# uses exact f32 products on the decoded weights); the bounds come from measured values.
-TOLERANCES = {
-    "F32": (False, 2e-3, 0.99),
-    "Q6_K": (False, 0.03, 0.95),
-    "Q5_K_M": (False, 0.05, 0.90),
-    "Q4_K_M": (False, 0.08, 0.90),
-    "Q5_0": (False, 0.05, 0.90),
-    "Q4_0": (False, 0.08, 0.90),
-    "IQ4_NL": (False, 0.08, 0.90),
-    "IQ4_XS": (False, 0.08, 0.90),
-    "IQ3_S": (False, 0.12, 0.85),
-    "IQ3_XXS": (False, 0.12, 0.85),
-    "IQ2_S": (True, 0.20, 0.80),
-    "IQ2_XS": (True, 0.20, 0.80),
-    "IQ1_M": (True, 0.30, 0.70),
-    "IQ1_S": (True, 0.30, 0.70),
+# Agreement bound on f32 products: the worst row's relative L2 and the least fraction of rows
+# with the same argmax (measured: at most 7.7e-6 and 100%, docs/MODEL-FILES.md).
+F32_BOUND, F32_SAME = 2e-3, 0.99
+# The types published DeepSeek-V4 GGUFs use -> whether llama-quantize needs an importance matrix.
+# Each quantised file is checked as dsv4 on the file against llama.cpp on its own
+# dequantisation of it (llama-quantize --allow-requantize ... F32): both then multiply in f32,
+# so the check isolates the decoding of every block, held to F32_BOUND. llama.cpp on the
+# quantised file itself multiplies by Q8_K/Q8_0-quantised activations, and on this random model
+# that noise flips near-tied expert choices, so that comparison is printed, not bounded.
+QUANT_TYPES = {
+    "Q6_K": False, "Q5_K_M": False, "Q4_K_M": False, "Q5_0": False, "Q4_0": False,
+    "IQ4_NL": False, "IQ4_XS": False, "IQ3_S": False, "IQ3_XXS": False,
+    "IQ2_S": True, "IQ2_XS": True, "IQ1_M": True, "IQ1_S": True,
 }
 
 
 def run(cmd, **kw):
-    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=1800, **kw)
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=1800, **kw)
     if p.returncode != 0:
         raise SystemExit(f"FAIL {' '.join(map(str, cmd))} (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
@@ -79,9 +74,10 @@ def compare(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float, float]:
     return float(np.median(rel)), float(rel.max()), same
 
 
-def check_logits(label, model, tokens, work, logits_bin, bound, least_same, failures, mtp_file=None):
+def check_logits(label, model, tokens, work, logits_bin, bound, least_same, failures, mtp_file=None, llama_model=None):
+    """dsv4 on `model` against llama.cpp on `llama_model` (default: the same file)."""
     llama_out, dsv4_out = work / f"{label}.llama.npy", work / f"{label}.dsv4.npy"
-    run([logits_bin, model, tokens, llama_out, "--threads", THREADS])
+    run([logits_bin, llama_model or model, tokens, llama_out, "--threads", THREADS])
     score = [CLI, "score", "-m", model, "--tokens", tokens, "-o", dsv4_out, "--no-qat", "-t", THREADS]
     if mtp_file:
         score += ["--mtp-file", mtp_file]
@@ -92,19 +88,28 @@ def check_logits(label, model, tokens, work, logits_bin, bound, least_same, fail
                         f"{np.isfinite(theirs).all()}")
         return
     median, worst, same = compare(ours, theirs)
-    print(f"{label:24s} rel L2 median {median:.2e} max {worst:.2e}, argmax agrees {same:6.1%} "
-          f"(bounds {bound:.1e}, {least_same:.0%})")
-    if not worst <= bound or same < least_same:
+    print(f"{label:44s} rel L2 median {median:.2e} max {worst:.2e}, argmax agrees {same:6.1%} "
+          + (f"(bounds {bound:.1e}, {least_same:.0%})" if bound is not None else "(not bounded)"))
+    if bound is not None and (not worst <= bound or same < least_same):
         failures.append(f"{label}: rel L2 max {worst:.3e} (bound {bound:.1e}), argmax {same:.1%} (least {least_same:.0%})")
     llama_out.unlink()
     dsv4_out.unlink()
+
+
+def check_quantized(label, model, tokens, work, logits_bin, quantize, failures):
+    dequantized = work / f"{model.stem}.f32.gguf"
+    run([quantize, "--allow-requantize", model, dequantized, "F32", THREADS])
+    check_logits(label + " (llama.cpp dequantised)", model, tokens, work, logits_bin, F32_BOUND, F32_SAME, failures,
+                 llama_model=dequantized)
+    dequantized.unlink()
+    check_logits(label + " (Q8 activations)", model, tokens, work, logits_bin, None, None, failures)
 
 
 def main() -> int:
     build = llama_build()
     quantize, imatrix, logits_bin = (tool(build, n) for n in ("llama-quantize", "llama-imatrix", "llama_logits"))
     only = os.environ.get("DSV4_LLAMACPP_TYPES")
-    types = [t for t in TOLERANCES if t != "F32" and (not only or t in only.split(","))]
+    types = [t for t in QUANT_TYPES if not only or t in only.split(",")]
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dsv4-llamacpp-") as tmp:
         work = Path(tmp)
@@ -117,37 +122,42 @@ def main() -> int:
         run([CLI, "synth", "--preset", "interop", "--experts", "f32", "--dense", "f32", "--seed", "12", "-o", synth])
         ckpt = work / "ckpt"
         run([CLI, "synth-checkpoint", "--preset", "interop", "--seed", "13", "--tokenizer", "-o", ckpt])
+        # The f32 recipe keeps the official FP4 experts as MXFP4 (lossless); llama.cpp multiplies
+        # those with Q8-quantised activations, so the f32 comparison converts them to F32 too,
+        # and the MXFP4 file is checked with the quantised types below.
         conv = work / "conv.gguf"
-        run([CLI, "convert", ckpt, "-o", conv, "--recipe", "f32"])
+        run([CLI, "convert", ckpt, "-o", conv, "--recipe", "f32", "--type", "experts=f32", "--type", "experts_down=f32"])
+        conv_mxfp4 = work / "conv-mxfp4.gguf"
+        run([CLI, "convert", ckpt, "-o", conv_mxfp4, "--recipe", "f32"])
         for model in (synth, conv):
             sidecar = model.with_name("mtp-" + model.name)
             if not sidecar.exists():
                 failures.append(f"{model.name}: no MTP sidecar {sidecar.name} written")
             else:  # llama.cpp accepts the sidecar's tensors (it loads it as the MTP draft model)
                 run([logits_bin, sidecar, tokens, work / "unused.npy", "--load-only"])
-            check_logits(model.stem + " f32", model, tokens, work, logits_bin, *TOLERANCES["F32"][1:], failures)
+            check_logits(model.stem + " f32", model, tokens, work, logits_bin, F32_BOUND, F32_SAME, failures)
+        check_quantized("conv MXFP4 experts", conv_mxfp4, tokens, work, logits_bin, quantize, failures)
 
         # 2. llama-quantize's output of every published type, read by dsv4.
         text = work / "imatrix.txt"
         text.write_text(("The quick brown fox jumps over the lazy dog. DeepSeek-V4 uses hyper-connections, "
                          "compressed sparse attention and a mixture of experts. 1 2 3 4 5 6 7 8 9 10.\n") * 40)
         imat = work / "imatrix.gguf"
-        if any(TOLERANCES[t][0] for t in types):
+        if any(QUANT_TYPES[t] for t in types):
             run([imatrix, "-m", synth, "-f", text, "-o", imat, "-c", "128", "-b", "128", "--chunks", "4",
                  "-t", THREADS])
         for qtype in types:
-            needs_imatrix, bound, least_same = TOLERANCES[qtype]
             out = work / f"q-{qtype}.gguf"
-            run([quantize, *(["--imatrix", imat] if needs_imatrix else []), synth, out, qtype, THREADS])
+            run([quantize, *(["--imatrix", imat] if QUANT_TYPES[qtype] else []), synth, out, qtype, THREADS])
             info = run([CLI, "info", out])
             kinds = [ln.split()[0] for ln in info.stdout.split("by type:")[1].split("by role:")[0].splitlines()
                      if ln.strip()]
             print(f"{qtype:8s} file types: {' '.join(kinds)}")
-            check_logits(f"quantized {qtype}", out, tokens, work, logits_bin, bound, least_same, failures)
+            check_quantized(f"quantized {qtype}", out, tokens, work, logits_bin, quantize, failures)
             out.unlink()
     for f in failures:
         print("FAIL", f)
-    print(f"{len(types) + 2 - len(failures)} passed, {len(failures)} failed")
+    print(f"{2 * len(types) + 4 - len(failures)} checks passed, {len(failures)} failed")
     return 1 if failures else 0
 
 
