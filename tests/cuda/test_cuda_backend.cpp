@@ -434,6 +434,10 @@ TEST_F(CudaBackendOps, HadamardAndQatRoundingsAreBitIdentical) {
   ASSERT_TRUE(cpu_->round_fp4_blocks(b.cpu, 32).is_ok());
   ASSERT_TRUE(gpu_->round_fp4_blocks(b.gpu, 32).is_ok());
   expect_identical(fetch<float>(*gpu_, b.gpu), fetch<float>(*cpu_, b.cpu), "round_fp4_blocks blocks of 32");
+  const Both e = f32({rows, cols}, v);
+  ASSERT_TRUE(cpu_->round_fp4_e4m3_blocks(e.cpu, 16).is_ok());
+  ASSERT_TRUE(gpu_->round_fp4_e4m3_blocks(e.gpu, 16).is_ok());
+  expect_identical(fetch<float>(*gpu_, e.gpu), fetch<float>(*cpu_, e.cpu), "round_fp4_e4m3_blocks blocks of 16");
 }
 
 // ---- MoE ----------------------------------------------------------------------------------------
