@@ -66,6 +66,8 @@ const std::string& fixture_gguf() {
 void report(const RowErrors& e, const std::string& what) {
   std::printf("[ measured ] %s: median %.3g max %.3g argmax %d/%zu\n", what.c_str(), e.median(), e.max(),
               e.argmax_same, e.rel.size());
+  if (std::getenv("DSV4_ROWS") && what.find(std::getenv("DSV4_ROWS")) != std::string::npos)
+    for (size_t r = 0; r < e.rel.size(); ++r) std::printf("  row %zu: %.3g\n", r, e.rel[r]);
 }
 
 // README 4, "QAT off (strict)": every row within 1e-4, the same argmax.
@@ -196,8 +198,6 @@ void compare_intermediates(const ForwardTrace& trace, const std::string& mode, d
     }
     const RowErrors e = compare_rows(got, ref_f32(key), cols, t.cols, cols);
     report(e, key);
-    if (std::getenv("DSV4_ROWS") && key.find(std::getenv("DSV4_ROWS")) != std::string::npos)
-      for (size_t r = 0; r < e.rel.size(); ++r) std::printf("  row %zu: %.3g\n", r, e.rel[r]);
     EXPECT_TRUE(e.finite);
     if (tol > 0) EXPECT_LE(e.max(), tol);
     else EXPECT_LE(e.median(), 1e-3);
@@ -228,10 +228,30 @@ TEST_F(FixtureV41, DecodeTeacherForced) {
   ASSERT_TRUE(off);
   expect_strict(compare_rows(decode_rows(*off, tokens, 41), ref_f32("decode_logits_noqat"), kVocab),
                 "decode_logits_noqat");
+}
+
+// QAT on: decode reproduces dsv4's own prefill bit for bit (each KV source scores its own
+// index keys). Against decode_logits_qat, rows 0-9 agree to ~1e-6 and from position 50 on
+// the rows drift by ~1e-3 (one 0.13 row): an FP8/FP4 code that rounds the other way in a
+// cached entry (the README's "less lucky" case), so this asserts the tiny-v4 suite's
+// statistical bar (median <= 2e-2, argmax >= 90 %) and prints the README's figures.
+TEST_F(FixtureV41, DecodeTeacherForcedQatOn) {
+  const auto tokens = ref_i32("decode_tokens");
   auto on = load(true);
   ASSERT_TRUE(on);
-  expect_statistical(compare_rows(decode_rows(*on, tokens, 41), ref_f32("decode_logits_qat"), kVocab),
-                     "decode_logits_qat");
+  const std::vector<float> decoded = decode_rows(*on, tokens, 41);
+  const std::vector<float> all = prefill(*on, tokens, nullptr);
+  ASSERT_EQ(all.size(), tokens.size() * kVocab);
+  const std::vector<float> own(all.begin() + 40 * kVocab, all.end());
+  ASSERT_EQ(decoded.size(), own.size());
+  EXPECT_EQ(std::memcmp(decoded.data(), own.data(), own.size() * sizeof(float)), 0) << "decode differs from prefill";
+  const RowErrors e = compare_rows(decoded, ref_f32("decode_logits_qat"), kVocab);
+  ASSERT_TRUE(e.finite);
+  const auto close = std::count_if(e.rel.begin(), e.rel.end(), [](double r) { return r <= 1e-2; });
+  EXPECT_LE(e.median(), 2e-2);
+  EXPECT_GE(e.argmax_same, static_cast<int>(std::ceil(0.9 * e.rel.size())));
+  report(e, "decode_logits_qat");
+  std::printf("[ measured ] decode_logits_qat: %lld of %zu rows <= 1e-2\n", static_cast<long long>(close), e.rel.size());
 }
 
 // From 3 tokens: the first steps run with one ratio-2 entry and a half-empty window.
