@@ -269,5 +269,32 @@ TEST_F(FixtureV41, ShortDecode) {
                 "short decode QAT off vs logits_noqat[2:]");
 }
 
+// Chunked prefill (chunks that split ratio-2 groups and candidate blocks) is bit-identical
+// to one call, QAT on; a prompt with the image token is refused with its position.
+TEST_F(FixtureV41, ChunkedPrefillIsBitIdenticalAndImagesAreRefused) {
+  const auto tokens = ref_i32("tokens");
+  auto m = load(true);
+  ASSERT_TRUE(m);
+  const std::vector<float> one = prefill(*m, tokens, nullptr);
+  auto seq = sequence(*m);
+  ASSERT_TRUE(seq);
+  std::vector<float> chunked;
+  for (size_t at = 0, len = 5; at < tokens.size(); at += len, len = len == 5 ? 8 : 5) {
+    const size_t n = std::min(len, tokens.size() - at);
+    auto r = m->prefill(*seq, std::span<const int32_t>(tokens.data() + at, n), true);
+    ASSERT_TRUE(r.is_ok()) << r.status().message();
+    chunked.insert(chunked.end(), r->begin(), r->end());
+  }
+  ASSERT_EQ(chunked.size(), one.size());
+  EXPECT_EQ(std::memcmp(chunked.data(), one.data(), one.size() * sizeof(float)), 0);
+
+  std::vector<int32_t> image = {0, 5, 511, 7};
+  auto s = sequence(*m);
+  ASSERT_TRUE(s);
+  auto r = m->prefill(*s, image);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("511"), std::string::npos) << r.status().message();
+}
+
 }  // namespace
 }  // namespace dsv4
