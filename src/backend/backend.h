@@ -222,6 +222,14 @@ class Backend {
   // mHC expand (spec §2.4), in place on streams: X'[k] = post_k y + sum_j comb[j,k] X[j].
   virtual Status hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc,
                          const Tensor& streams) = 0;
+  // V4.1's delayed mix (shared/spec/deepseek-v41.md §3.5): hc_pre's split without the
+  // collapse; pre F32 [S, n_hc] is kept for the next sublayer's collapse.
+  virtual Status hc_mix(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
+                        const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps,
+                        float norm_eps, const Tensor& pre, const Tensor& post,
+                        const Tensor& comb) = 0;
+  // x[s] = sum_j pre[s, j] * X_j[s] (hc_pre's collapse with a given pre F32 [S, n_hc]).
+  virtual Status hc_collapse(const Tensor& streams, const Tensor& pre, int n_hc, const Tensor& x) = 0;
   // Hyper head collapse (spec §2.6): sigmoid weights without Sinkhorn.
   virtual Status hc_head(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
                          const Tensor& base, int n_hc, float hc_eps, float norm_eps,
@@ -273,6 +281,27 @@ class Backend {
   virtual Status round_fp8_blocks(const Tensor& x, int64_t cols, int64_t block) = 0;
   // QAT: FP4 e2m1 quantise-dequantise of every row in blocks of `block`, in place.
   virtual Status round_fp4_blocks(const Tensor& x, int64_t block) = 0;
+  // QAT (V4.1 compressed KV, the reference's fp4_act_quant with E4M3 scales): FP4 e2m1
+  // quantise-dequantise of every row in blocks of `block` whose scale is the e4m3-rounded
+  // amax/6 (amax floored at 6*2^-9), in place.
+  virtual Status round_fp4_e4m3_blocks(const Tensor& x, int64_t block) = 0;
+
+  // --- V4.1 operations (shared/spec/deepseek-v41.md) ------------------------------------
+  // Engram gate (§3.2), in place on streams F32 [S, n_hc*D]: kv F32 [S, (n_hc+1)*D] holds
+  // the per-stream keys then the value; q, k F32 [n_hc*D] the two RMSNorm weights. Per
+  // stream s: a = rmsnorm(X_s)*q_s, b = rmsnorm(key_s)*k_s (eps), sigma = a.b / sqrt(D),
+  // g = sigmoid(sign(sigma) * sqrt(max(|sigma|, 1e-6))), X_s += g * value; gate F32 [S, n_hc].
+  virtual Status engram_gate(const Tensor& streams, const Tensor& kv, const Tensor& q, const Tensor& k,
+                             int n_hc, float eps, const Tensor& gate) = 0;
+  // Candidate blocks (§3.4) from index scores F32 [n, >= visible] (-inf: absent): block j
+  // covers entries j*block .. j*block+block-1 and scores its maximum; the block holding
+  // the row's newest visible entry is always kept; then the best blocks (equal scores: the
+  // lower block), never an all -inf one, up to k blocks, ascending, -1 padding, into
+  // out I32 [n, k].
+  virtual Status candidate_blocks(const Tensor& scores, int ratio, const StepRows& rows, int64_t block,
+                                  int k, const Tensor& out) = 0;
+  // scores[r, e] = -inf for every entry e outside the blocks in candidates[r] (in place).
+  virtual Status mask_candidates(const Tensor& scores, const Tensor& candidates, int64_t block) = 0;
 
   // --- MoE ----------------------------------------------------------------------------
   // Router (spec §4.1, §4.2) from logits F32 [S, E]: scores sqrt(softplus(logit)); the

@@ -16,6 +16,7 @@
 
 #include "model/cache_layout.h"
 #include "model/config.h"
+#include "model/engram.h"
 #include "util/status.h"
 
 namespace dsv4 {
@@ -104,6 +105,7 @@ class Sequence {
   std::shared_ptr<const KvGraft> graft_;
   std::vector<std::vector<int32_t>> pages_;  // per cache list: page ids in row order
   std::shared_ptr<CacheBudget> budget_;
+  EngramHasher::History engram_history_;  // V4.1: the n-gram look-back across steps
 };
 
 }  // namespace dsv4

@@ -37,6 +37,16 @@ struct Step {
   backend::Tensor steer_alpha;  // F32 [n]: each row's steering strength (with a binding)
 };
 
+// V4.1's per-step state that outlives a block (allocated before the first block):
+// the last sublayer's hyper-connection `pre` (the delayed mix), the selections of the
+// index sources, the candidate blocks, and the step's Engram rows (host side).
+struct V41Step {
+  backend::Tensor pre;                    // F32 [n, hc]: one-hot on stream 0 before block 0
+  std::vector<backend::Tensor> selection; // per block: I32 [n, top-k] (index sources)
+  backend::Tensor candidates;             // I32 [n, topk_blocks]
+  std::vector<std::vector<float>> engram_rows;  // per Engram layer: [n][columns][dim]
+};
+
 struct ForwardPass {
   const ModelConfig& c;
   const ModelPlan& plan;
@@ -74,6 +84,20 @@ struct ForwardPass {
   // §3.6: the lightning indexer's top-k entries per row into idx I32 [n, top-k].
   Status indexer(const LayerPlan& layer, const backend::Tensor& x, const backend::Tensor& qr,
                  const Step& step, const backend::Tensor& idx) const;
+
+  // V4.1 (forward_v41.cpp; shared/spec/deepseek-v41.md). `v41` must be set up by
+  // v41_begin before the first block.
+  V41Step* v41 = nullptr;
+  Status v41_begin(const Step& step, std::vector<std::vector<float>> engram_rows) const;
+  Status block_v41(const LayerPlan& layer, const backend::Tensor& streams, const Step& step) const;
+  Status engram(const LayerPlan& layer, const backend::Tensor& streams, const Step& step) const;
+  Result<backend::Tensor> attention_v41(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;
+  Status compress_v41(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;
+  Status indexer_v41(const LayerPlan& layer, const backend::Tensor& x, const backend::Tensor& qr,
+                     const Step& step) const;
+  // The final collapse with the last FFN `pre` (rows `pre` of the same rows as streams),
+  // final norm and logits.
+  Result<backend::Tensor> head_v41(const backend::Tensor& pre, const backend::Tensor& streams) const;
 
   // GLP steering of `x` at `hook` in block b, when a direction is bound there.
   Status steer(uint32_t b, SteerHook hook, const backend::Tensor& x, const Step& step) const;

@@ -291,6 +291,7 @@ Status KvCache::fork(const Sequence& seq, Sequence& copy) {
     tables_[l].first_row_dirty = true;
   }
   copy.position_ = seq.position_;
+  copy.engram_history_ = seq.engram_history_;
   copy.mtp_position_ = seq.mtp_position_;
   return Status::ok();
 }
@@ -412,6 +413,7 @@ Result<SlotSnapshot> KvCache::snapshot(const Sequence& seq) {
   snap.position = seq.position_;
   snap.mtp_position = seq.mtp_position_;
   snap.context = seq.plan_.context;
+  snap.engram_history = seq.engram_history_;
   for (const Tensor& r : rings_) {
     std::vector<float> host(static_cast<size_t>(window_ * r.cols()));
     DSV4_TRY(be_.download(r.slice(seq.slot_ * window_, window_), host.data(), host.size() * sizeof(float)));
@@ -455,6 +457,7 @@ Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
     if (pages.size() > keep) pages.resize(keep);
   }
   seq.position_ = snap.position;
+  seq.engram_history_ = snap.engram_history;
   seq.mtp_position_ = snap.mtp_position;
   return Status::ok();
 }

@@ -43,6 +43,7 @@ struct SlotSnapshot {
   uint64_t context = 0;                    // the sequence's context: a snapshot fits only its like
   std::vector<std::vector<float>> rings;   // per ring: window * head_dim
   std::vector<std::vector<float>> states;  // per state: kv then score
+  EngramHasher::History engram_history;    // V4.1: the n-gram look-back
 };
 
 class KvCache {

@@ -70,9 +70,6 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& path, backend::Bac
   fo.mtp_path = options.mtp_path;
   DSV4_ASSIGN_OR_RETURN(ModelFiles files, ModelFiles::open(path, fo));
   DSV4_TRY(files.config().validate().with_context(path));
-  if (files.config().is_v41())  // the config, catalog and weights load; the V4.1 forward pass does not exist yet
-    return Status::errorf("{}: a deepseek41 (DeepSeek-V4.1) model: this build has no V4.1 forward pass yet "
-                          "(`dsv4 info` describes the file)", path);
   std::unique_ptr<Model> m(new Model());
   m->files_ = std::make_unique<ModelFiles>(std::move(files));
   m->config_ = m->files_->config();
@@ -82,6 +79,12 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& path, backend::Bac
   DSV4_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::load(*m->files_, backend));
   m->weights_ = std::make_unique<ModelWeights>(std::move(weights));
   DSV4_ASSIGN_OR_RETURN(m->cache_, KvCache::create(m->config_, m->plan_, backend, options.cache));
+  if (m->config_.engram) {
+    DSV4_ASSIGN_OR_RETURN(EngramHasher hasher, EngramHasher::from_gguf(m->files_->trunk(), m->config_));
+    m->engram_hasher_ = std::make_unique<EngramHasher>(std::move(hasher));
+    DSV4_ASSIGN_OR_RETURN(m->engram_tables_,
+                          open_engram_tables(m->files_->trunk(), m->config_, EngramTable::Access::Mapped));
+  }
   return m;
 }
 
@@ -102,6 +105,7 @@ Result<std::unique_ptr<Sequence>> Model::new_sequence(const SequenceOptions& so)
   seq->budget_ = so.shared_budget;
   seq->with_mtp_ = so.with_mtp;
   seq->steering_alpha_ = steering_ ? steering_->alpha : 0.0f;
+  if (engram_hasher_) seq->engram_history_ = engram_hasher_->start();
   DSV4_TRY(cache_->attach(*seq));
   if (so.graft) {
     DSV4_TRY(cache_->plant(*seq, *so.graft));
@@ -213,9 +217,31 @@ Status Model::restore(Sequence& seq, const SequenceSnapshot& snap) const {
   return cache_->restore(seq, *snap.state_);
 }
 
+Result<std::vector<std::vector<float>>> Model::gather_engram(const std::vector<StepItem>& items,
+                                                             const std::vector<int32_t>& tokens) const {
+  std::vector<std::vector<float>> rows;
+  if (!engram_hasher_) return rows;
+  const EngramHasher& h = *engram_hasher_;
+  const uint32_t cols = h.columns(), layers = h.n_layers(), dim = config_.engram->dim;
+  const size_t n = tokens.size();
+  std::vector<uint32_t> ids(n * h.rows_per_token());
+  for (const StepItem& it : items)
+    DSV4_TRY(h.hash(it.seq->engram_history_, std::span<const int32_t>(tokens).subspan(it.row0, it.n), {},
+                    std::span<uint32_t>(ids).subspan(it.row0 * h.rows_per_token(), it.n * h.rows_per_token())));
+  rows.resize(layers);
+  std::vector<uint32_t> layer_ids(n * cols);
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (size_t t = 0; t < n; ++t)
+      for (uint32_t j = 0; j < cols; ++j) layer_ids[t * cols + j] = ids[(t * layers + l) * cols + j];
+    rows[l].resize(n * cols * dim);
+    DSV4_TRY(engram_tables_.at(l).read(layer_ids, rows[l]));
+  }
+  return rows;
+}
+
 Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, ForwardTrace* trace) const {
   if (batch.empty()) return Status::error("forward: empty batch");
-  const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
+  ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
   std::vector<StepItem> items;
   std::vector<int32_t> tokens;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -237,11 +263,12 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
         return Status::errorf(StatusCode::kOutOfRange, "forward: batch item {}: token id {} outside the vocabulary of {}",
                               i, t, config_.vocab_size);
     if (it.sample) DSV4_TRY(validate_spec(*it.sample, config_.vocab_size, i));
+    if (config_.is_v41()) DSV4_TRY(refuse_image_tokens(config_, it.tokens).with_context(fmt::format("forward: batch item {}", i)));
     items.push_back({it.sequence, static_cast<int64_t>(tokens.size()), n, it.sequence->position()});
     tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
   }
   const bool bucketed =
-      !trace && static_cast<int64_t>(batch.size()) <= kMaxBucketRows &&
+      !trace && !config_.is_v41() && static_cast<int64_t>(batch.size()) <= kMaxBucketRows &&
       ((backend_->supports_graphs() && options_.graphs) || options_.decode_buckets) &&
       std::all_of(batch.begin(), batch.end(), [](const BatchItem& it) {
         return it.tokens.size() == 1 && it.sample && !it.all_logits && !it.keep_streams &&
@@ -255,7 +282,15 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
   backend_->begin_step();
   DSV4_ASSIGN_OR_RETURN(Step step, fp.make_step(items, tokens));
   DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.embed(weights_->token_embd, step));
-  for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block(plan_.layers[b], streams, step));
+  V41Step v41;
+  if (config_.is_v41()) {
+    DSV4_ASSIGN_OR_RETURN(auto engram_rows, gather_engram(items, tokens));
+    fp.v41 = &v41;
+    DSV4_TRY(fp.v41_begin(step, std::move(engram_rows)));
+    for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block_v41(plan_.layers[b], streams, step));
+  } else {
+    for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block(plan_.layers[b], streams, step));
+  }
   if (trace) DSV4_TRY(trace->record("final_streams", streams));
   for (const StepItem& it : step.items) it.seq->position_ += it.n;
 
@@ -292,8 +327,14 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
   DSV4_ASSIGN_OR_RETURN(Tensor ids, fp.upload_i32(wanted, {n_out}));
   DSV4_ASSIGN_OR_RETURN(Tensor picked, fp.f32({n_out, width}));
   DSV4_TRY(backend_->get_rows(streams, ids, picked));
-  DSV4_ASSIGN_OR_RETURN(Tensor logits, fp.head(weights_->hc_head, weights_->output_norm,
-                                               weights_->output, picked));
+  Tensor logits;
+  if (config_.is_v41()) {
+    DSV4_ASSIGN_OR_RETURN(Tensor pre, fp.f32({n_out, static_cast<int64_t>(config_.hc_mult)}));
+    DSV4_TRY(backend_->get_rows(v41.pre, ids, pre));
+    DSV4_ASSIGN_OR_RETURN(logits, fp.head_v41(pre, picked));
+  } else {
+    DSV4_ASSIGN_OR_RETURN(logits, fp.head(weights_->hc_head, weights_->output_norm, weights_->output, picked));
+  }
   const int64_t vocab = config_.vocab_size;
   if (!sampled.empty()) {
     const int64_t m = static_cast<int64_t>(sampled.size());
@@ -425,6 +466,8 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
 
 Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace) const {
   if (!has_mtp()) return Status::error("mtp: the model has no MTP block");
+  if (config_.is_v41())
+    return Status::error("mtp: the V4.1 DSpark draft stages are not implemented in this build (the trunk is)");
   if (batch.empty()) return Status::error("mtp: empty batch");
   const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
   const uint32_t b = config_.n_layers;  // the (first) MTP block

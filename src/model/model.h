@@ -30,6 +30,8 @@
 #include "backend/backend.h"
 #include "model/cache.h"
 #include "model/config.h"
+#include "model/engram.h"
+#include "model/engram_table.h"
 #include "model/kv_cache.h"
 #include "model/layer_plan.h"
 #include "model/kv_graft.h"
@@ -125,6 +127,8 @@ class SequenceSnapshot {
   std::shared_ptr<const SlotSnapshot> state_;
 };
 
+struct StepItem;  // forward.h
+
 class Model {
  public:
   static Result<std::unique_ptr<Model>> load(const std::string& path, backend::Backend& backend,
@@ -213,10 +217,16 @@ class Model {
   backend::Backend* backend_ = nullptr;
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<EngramHasher> engram_hasher_;  // V4.1
+  std::vector<EngramTable> engram_tables_;      // V4.1: read on demand, never resident
   std::optional<Steering> steering_;
   struct DecodeBucket;  // persistent inputs and graph state of one bucket size
   mutable std::vector<std::unique_ptr<DecodeBucket>> buckets_;
   Status decode_step(std::span<const BatchItem> batch, ForwardOutput& out) const;
+  // V4.1: hashes the step's tokens (advancing each sequence's n-gram history) and reads
+  // their Engram rows, per Engram layer [step row][columns][dim].
+  Result<std::vector<std::vector<float>>> gather_engram(const std::vector<StepItem>& items,
+                                                        const std::vector<int32_t>& tokens) const;
 };
 
 }  // namespace dsv4

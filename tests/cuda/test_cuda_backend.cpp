@@ -434,6 +434,55 @@ TEST_F(CudaBackendOps, HadamardAndQatRoundingsAreBitIdentical) {
   ASSERT_TRUE(cpu_->round_fp4_blocks(b.cpu, 32).is_ok());
   ASSERT_TRUE(gpu_->round_fp4_blocks(b.gpu, 32).is_ok());
   expect_identical(fetch<float>(*gpu_, b.gpu), fetch<float>(*cpu_, b.cpu), "round_fp4_blocks blocks of 32");
+  const Both e = f32({rows, cols}, v);
+  ASSERT_TRUE(cpu_->round_fp4_e4m3_blocks(e.cpu, 16).is_ok());
+  ASSERT_TRUE(gpu_->round_fp4_e4m3_blocks(e.gpu, 16).is_ok());
+  expect_identical(fetch<float>(*gpu_, e.gpu), fetch<float>(*cpu_, e.cpu), "round_fp4_e4m3_blocks blocks of 16");
+}
+
+// V4.1: the delayed mix and collapse, the Engram gate and the candidate mask against the CPU.
+TEST_F(CudaBackendOps, V41MixCollapseEngramGateAndCandidateMask) {
+  const uint64_t seed = seed_for(950);
+  std::mt19937_64 rng(seed);
+  const int64_t n = 29, d = 128;
+  const int hc = 4, iters = 20, n_mix = (2 + hc) * hc;
+  const std::string tag = " seed " + std::to_string(seed);
+  const Both streams = f32({n, hc * d}, normal(n * hc * d, rng));
+  const Both mixes = f32({n, n_mix}, normal(n * n_mix, rng, 3.0f));
+  const Both scale = f32({3}, {0.7f, 1.3f, 0.9f});
+  const Both base = f32({n_mix}, normal(n_mix, rng, 0.5f));
+  const Both pre = f32({n, hc}, std::vector<float>(n * hc, NAN));
+  const Both post = f32({n, hc}, std::vector<float>(n * hc, NAN));
+  const Both comb = f32({n, hc * hc}, std::vector<float>(n * hc * hc, NAN));
+  ASSERT_TRUE(cpu_->hc_mix(streams.cpu, mixes.cpu, scale.cpu, base.cpu, hc, iters, 1e-6f, 1e-20f, pre.cpu, post.cpu, comb.cpu).is_ok());
+  ASSERT_TRUE(gpu_->hc_mix(streams.gpu, mixes.gpu, scale.gpu, base.gpu, hc, iters, 1e-6f, 1e-20f, pre.gpu, post.gpu, comb.gpu).is_ok());
+  expect_rows_close(fetch<float>(*gpu_, pre.gpu), fetch<float>(*cpu_, pre.cpu), n, hc, 1e-6, "hc_mix pre" + tag);
+  expect_rows_close(fetch<float>(*gpu_, post.gpu), fetch<float>(*cpu_, post.cpu), n, hc, 1e-6, "hc_mix post" + tag);
+  expect_rows_close(fetch<float>(*gpu_, comb.gpu), fetch<float>(*cpu_, comb.cpu), n, hc * hc, 1e-6, "hc_mix comb" + tag);
+
+  const Both weights = f32({n, hc}, normal(n * hc, rng));  // the same pre on both sides
+  const Both x = f32({n, d}, std::vector<float>(n * d, NAN));
+  ASSERT_TRUE(cpu_->hc_collapse(streams.cpu, weights.cpu, hc, x.cpu).is_ok());
+  ASSERT_TRUE(gpu_->hc_collapse(streams.gpu, weights.gpu, hc, x.gpu).is_ok());
+  expect_identical(fetch<float>(*gpu_, x.gpu), fetch<float>(*cpu_, x.cpu), "hc_collapse" + tag);
+
+  const Both kv = f32({n, (hc + 1) * d}, normal(n * (hc + 1) * d, rng));
+  const Both q = f32({hc * d}, normal(hc * d, rng, 0.3f)), k = f32({hc * d}, normal(hc * d, rng, 0.3f));
+  const Both gate = f32({n, hc}, std::vector<float>(n * hc, NAN));
+  ASSERT_TRUE(cpu_->engram_gate(streams.cpu, kv.cpu, q.cpu, k.cpu, hc, 1e-20f, gate.cpu).is_ok());
+  ASSERT_TRUE(gpu_->engram_gate(streams.gpu, kv.gpu, q.gpu, k.gpu, hc, 1e-20f, gate.gpu).is_ok());
+  expect_rows_close(fetch<float>(*gpu_, gate.gpu), fetch<float>(*cpu_, gate.cpu), n, hc, 1e-5, "engram_gate gate" + tag);
+  expect_rows_close(fetch<float>(*gpu_, streams.gpu), fetch<float>(*cpu_, streams.cpu), n, hc * d, 1e-5,
+                    "engram_gate streams" + tag);
+
+  const int64_t cols = 40, kc = 3, block = 4;
+  std::vector<int32_t> cand(n * kc);
+  for (auto& v : cand) v = static_cast<int32_t>(rng() % (cols / block + 1)) - 1;  // -1: unused slot
+  const Both blocks = i32({n, kc}, cand);
+  const Both scores = f32({n, cols}, normal(n * cols, rng));
+  ASSERT_TRUE(cpu_->mask_candidates(scores.cpu, blocks.cpu, block).is_ok());
+  ASSERT_TRUE(gpu_->mask_candidates(scores.gpu, blocks.gpu, block).is_ok());
+  expect_identical(fetch<float>(*gpu_, scores.gpu), fetch<float>(*cpu_, scores.cpu), "mask_candidates" + tag);
 }
 
 // ---- MoE ----------------------------------------------------------------------------------------

@@ -670,6 +670,133 @@ Status CpuBackend::round_fp4_blocks(const Tensor& x, int64_t block) {
   return Status::ok();
 }
 
+Status CpuBackend::round_fp4_e4m3_blocks(const Tensor& x, int64_t block) {
+  DSV4_TRY(expect(x, "round_fp4_e4m3_blocks", "x", GgmlType::F32, -1, -1));
+  if (block <= 0 || x.cols() % block)
+    return Status::errorf("round_fp4_e4m3_blocks: blocks of {} of {}", block, x.describe());
+  for (int64_t s = 0; s < x.rows(); ++s)
+    for (int64_t g = 0; g < x.cols(); g += block) cpu::round_fp4_e4m3_block(f32_row(x, s) + g, block);
+  return Status::ok();
+}
+
+// ---- V4.1 ---------------------------------------------------------------------------------
+
+Status CpuBackend::hc_mix(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base,
+                          int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& pre,
+                          const Tensor& post, const Tensor& comb) {
+  const int64_t n = streams.rows(), width = streams.cols() / n_hc, n_mix = (2 + n_hc) * n_hc;
+  DSV4_TRY(expect(streams, "hc_mix", "streams", GgmlType::F32, -1, n_hc * width));
+  DSV4_TRY(expect(mixes, "hc_mix", "mixes", GgmlType::F32, n, n_mix));
+  DSV4_TRY(expect(scale, "hc_mix", "scale", GgmlType::F32, -1, 3));
+  DSV4_TRY(expect(base, "hc_mix", "base", GgmlType::F32, -1, n_mix));
+  DSV4_TRY(expect(pre, "hc_mix", "pre", GgmlType::F32, n, n_hc));
+  DSV4_TRY(expect(post, "hc_mix", "post", GgmlType::F32, n, n_hc));
+  DSV4_TRY(expect(comb, "hc_mix", "comb", GgmlType::F32, n, n_hc * n_hc));
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    for (int64_t s = b; s < e; ++s) {
+      const float rho = cpu::inverse_rms(f32_row(streams, s), n_hc * width, norm_eps);
+      cpu::hc_split_sinkhorn(f32_row(mixes, s), rho, static_cast<const float*>(scale.data),
+                             static_cast<const float*>(base.data), n_hc, sinkhorn_iters, hc_eps,
+                             f32_row(pre, s), f32_row(post, s), f32_row(comb, s));
+    }
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::hc_collapse(const Tensor& streams, const Tensor& pre, int n_hc, const Tensor& x) {
+  const int64_t n = streams.rows(), width = streams.cols() / n_hc;
+  DSV4_TRY(expect(streams, "hc_collapse", "streams", GgmlType::F32, -1, n_hc * width));
+  DSV4_TRY(expect(pre, "hc_collapse", "pre", GgmlType::F32, n, n_hc));
+  DSV4_TRY(expect(x, "hc_collapse", "x", GgmlType::F32, n, width));
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    for (int64_t s = b; s < e; ++s) cpu::hc_collapse(f32_row(streams, s), f32_row(pre, s), n_hc, width, f32_row(x, s));
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::engram_gate(const Tensor& streams, const Tensor& kv, const Tensor& q, const Tensor& k, int n_hc,
+                               float eps, const Tensor& gate) {
+  const int64_t n = streams.rows(), d = streams.cols() / n_hc;
+  DSV4_TRY(expect(streams, "engram_gate", "streams", GgmlType::F32, -1, n_hc * d));
+  DSV4_TRY(expect(kv, "engram_gate", "kv", GgmlType::F32, n, (n_hc + 1) * d));
+  DSV4_TRY(expect(gate, "engram_gate", "gate", GgmlType::F32, n, n_hc));
+  if (q.type != GgmlType::F32 || q.n_elements() != n_hc * d || k.type != GgmlType::F32 || k.n_elements() != n_hc * d)
+    return Status::errorf("engram_gate: q {} and k {} must be F32 of {} values", q.describe(), k.describe(), n_hc * d);
+  const float* qw = static_cast<const float*>(q.data);
+  const float* kw = static_cast<const float*>(k.data);
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(d));
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r) {
+      float* X = f32_row(streams, r);
+      const float* row = f32_row(kv, r);
+      const float* value = row + n_hc * d;
+      for (int s = 0; s < n_hc; ++s) {
+        float* x = X + s * d;
+        const float* key = row + s * d;
+        const float rx = cpu::inverse_rms(x, d, eps), rk = cpu::inverse_rms(key, d, eps);
+        float sigma = 0.0f;
+        for (int64_t i = 0; i < d; ++i) sigma += (x[i] * rx * qw[s * d + i]) * (key[i] * rk * kw[s * d + i]);
+        sigma *= inv_sqrt_d;
+        const float g = cpu::sigmoid(std::copysign(std::sqrt(std::max(std::fabs(sigma), 1e-6f)), sigma));
+        f32_row(gate, r)[s] = g;
+        for (int64_t i = 0; i < d; ++i) x[i] += g * value[i];
+      }
+    }
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::candidate_blocks(const Tensor& scores, int ratio, const StepRows& rows, int64_t block, int k,
+                                    const Tensor& out) {
+  const int64_t n = rows.n;
+  DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "candidate_blocks"));
+  if (ratio <= 0 || block <= 0 || k <= 0) return Status::errorf("candidate_blocks: ratio {}, block {}, k {}", ratio, block, k);
+  DSV4_TRY(expect(scores, "candidate_blocks", "scores", GgmlType::F32, n, -1));
+  DSV4_TRY(expect(out, "candidate_blocks", "out", GgmlType::I32, n, k));
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    std::vector<float> best;
+    std::vector<int32_t> order;
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t visible = v.seq_of_row(r) ? std::min<int64_t>((v.positions[r] + 1) / ratio, scores.cols()) : 0;
+      const int64_t n_blocks = (visible + block - 1) / block;
+      const float* sc = f32_row(scores, r);
+      best.assign(static_cast<size_t>(n_blocks), kNegInf);
+      for (int64_t i = 0; i < visible; ++i) best[i / block] = std::max(best[i / block], sc[i]);
+      if (n_blocks > 0) best[n_blocks - 1] = std::numeric_limits<float>::infinity();  // the newest, pinned
+      order.clear();
+      for (int32_t j = 0; j < n_blocks; ++j)
+        if (best[j] != kNegInf) order.push_back(j);
+      const int64_t take = std::min<int64_t>(k, static_cast<int64_t>(order.size()));
+      std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int32_t a, int32_t c) {
+        return best[a] > best[c] || (best[a] == best[c] && a < c);
+      });
+      std::sort(order.begin(), order.begin() + take);
+      int32_t* o = i32_row(out, r);
+      for (int j = 0; j < k; ++j) o[j] = j < take ? order[j] : -1;
+    }
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::mask_candidates(const Tensor& scores, const Tensor& candidates, int64_t block) {
+  const int64_t n = scores.rows();
+  DSV4_TRY(expect(scores, "mask_candidates", "scores", GgmlType::F32, -1, -1));
+  DSV4_TRY(expect(candidates, "mask_candidates", "candidates", GgmlType::I32, n, -1));
+  if (block <= 0) return Status::errorf("mask_candidates: block {}", block);
+  pool_->parallel_for(n, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r) {
+      float* sc = f32_row(scores, r);
+      const int32_t* cand = i32_row(candidates, r);
+      for (int64_t i = 0; i < scores.cols(); ++i) {
+        bool kept = false;
+        for (int64_t j = 0; j < candidates.cols(); ++j) kept |= cand[j] >= 0 && cand[j] == i / block;
+        if (!kept) sc[i] = kNegInf;
+      }
+    }
+  });
+  return Status::ok();
+}
+
 // ---- MoE ------------------------------------------------------------------------------------
 
 Status CpuBackend::route(const Tensor& logits, const Tensor* bias, const Tensor* tid2eid,

@@ -69,6 +69,16 @@ class CpuBackend final : public Backend {
   Status hadamard(const Tensor& x, int64_t width) override;
   Status round_fp8_blocks(const Tensor& x, int64_t cols, int64_t block) override;
   Status round_fp4_blocks(const Tensor& x, int64_t block) override;
+  Status round_fp4_e4m3_blocks(const Tensor& x, int64_t block) override;
+  Status hc_mix(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base, int n_hc,
+                int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& pre, const Tensor& post,
+                const Tensor& comb) override;
+  Status hc_collapse(const Tensor& streams, const Tensor& pre, int n_hc, const Tensor& x) override;
+  Status engram_gate(const Tensor& streams, const Tensor& kv, const Tensor& q, const Tensor& k, int n_hc, float eps,
+                     const Tensor& gate) override;
+  Status candidate_blocks(const Tensor& scores, int ratio, const StepRows& rows, int64_t block, int k,
+                          const Tensor& out) override;
+  Status mask_candidates(const Tensor& scores, const Tensor& candidates, int64_t block) override;
 
   Status route(const Tensor& logits, const Tensor* bias, const Tensor* tid2eid,
                const Tensor& tokens, int k, float route_scale, const Tensor& experts,

@@ -133,6 +133,15 @@ void round_fp4_block(float* x, int64_t n) {
   }
 }
 
+void round_fp4_e4m3_block(float* x, int64_t n) {
+  const float amax = std::max(block_amax(x, n), 6.0f * std::ldexp(1.0f, -9));
+  const float s = e4m3_to_f32(f32_to_e4m3(amax / 6.0f));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::clamp(x[i] / s, -6.0f, 6.0f);
+    x[i] = e2m1_to_f32(f32_to_e2m1(v)) * s;
+  }
+}
+
 void biased_top_k(const float* score, const float* bias, int64_t n, int k, int32_t* out) {
   std::vector<int32_t> order(n);
   std::iota(order.begin(), order.end(), 0);

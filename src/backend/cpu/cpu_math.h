@@ -103,6 +103,7 @@ void hadamard(float* x, int64_t n);
 // QAT simulations (spec §3.7, fixture README "QAT rules"), in place on one block.
 void round_fp8_block(float* x, int64_t n);
 void round_fp4_block(float* x, int64_t n);
+void round_fp4_e4m3_block(float* x, int64_t n);  // scale e4m3(amax/6), not a power of two
 
 // Indices of the k largest (score + bias); equal values keep the lower index.
 void biased_top_k(const float* score, const float* bias, int64_t n, int k, int32_t* out);

@@ -261,6 +261,12 @@ __global__ void round_fp4_kernel(Mat<float> x, int64_t block) {
   DSV4_GRID_STRIDE(idx, x.rows * per_row) ref::round_fp4_block(x.row(idx / per_row) + (idx % per_row) * block, block);
 }
 
+__global__ void round_fp4_e4m3_kernel(Mat<float> x, int64_t block) {
+  const int64_t per_row = x.cols / block;
+  DSV4_GRID_STRIDE(idx, x.rows * per_row)
+    ref::round_fp4_e4m3_block(x.row(idx / per_row) + (idx % per_row) * block, block);
+}
+
 bool same_rope(const RopeParams& a, const RopeParams& b) {
   return a.dims == b.dims && a.freq_base == b.freq_base && a.yarn == b.yarn && a.yarn_factor == b.yarn_factor &&
          a.yarn_original_context == b.yarn_original_context && a.yarn_beta_fast == b.yarn_beta_fast &&
@@ -904,6 +910,17 @@ Status CudaBackend::round_fp4_blocks(const Tensor& x, int64_t block) {
   const int64_t count = xv.rows * (xv.cols / block);
   if (count == 0) return Status::ok();
   round_fp4_kernel<<<cudaops::grid_for(count, 128), 128, 0, impl_->stream>>>(xv, block);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::round_fp4_e4m3_blocks(const Tensor& x, int64_t block) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "round_fp4_e4m3_blocks", "x", -1, -1));
+  if (block <= 0 || xv.cols % block)
+    return Status::errorf("round_fp4_e4m3_blocks: blocks of {} of {}", block, x.describe());
+  const int64_t count = xv.rows * (xv.cols / block);
+  if (count == 0) return Status::ok();
+  round_fp4_e4m3_kernel<<<cudaops::grid_for(count, 128), 128, 0, impl_->stream>>>(xv, block);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

@@ -188,4 +188,16 @@ DSV4_HOST_DEVICE inline void round_fp4_block(float* x, int64_t n) {
   }
 }
 
+// cpu::round_fp4_e4m3_block.
+DSV4_HOST_DEVICE inline void round_fp4_e4m3_block(float* x, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std_max(amax, abs(x[i]));
+  amax = std_max(amax, 6.0f * 0x1p-9f);
+  const float s = e4m3_to_f32(f32_to_e4m3(div(amax, 6.0f)));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std_clamp(div(x[i], s), -6.0f, 6.0f);
+    x[i] = mul(e2m1_to_f32(f32_to_e2m1(v)), s);
+  }
+}
+
 }  // namespace dsv4::cuda::ref
