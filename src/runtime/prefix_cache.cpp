@@ -154,7 +154,7 @@ Result<PrefixCache::Lease> PrefixCache::acquire(std::span<const int32_t> tokens,
     const SequenceSnapshot* snap = nullptr;
   } best;
   for (const auto& e : entries_) {
-    if (e->seq->steering_alpha() != steering_alpha) continue;  // other activations, other rows
+    if (e->seq && e->seq->steering_alpha() != steering_alpha) continue;  // other activations, other rows
     const int64_t lcp = static_cast<int64_t>(common_prefix(e->tokens, tokens));
     Candidate c{e, 0, nullptr};
     if (lcp == static_cast<int64_t>(e->tokens.size()) && lcp < n) {
