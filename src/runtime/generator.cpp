@@ -60,6 +60,12 @@ void Generator::reset() {
   cached_.clear();
 }
 
+void Generator::set_graft(std::shared_ptr<const KvGraft> graft) {
+  reset();
+  graft_ = std::move(graft);
+  footprint_ = graft_ ? static_cast<uint64_t>(graft_->footprint) : 0;
+}
+
 Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& o,
                                           const std::function<void(std::string_view)>& on_text,
                                           const std::atomic<bool>* cancel) {
@@ -72,8 +78,9 @@ Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const
   for (int32_t t : prompt)
     if (t < 0 || static_cast<size_t>(t) >= vocab)
       return Status::errorf("generate: prompt token {} is outside the vocabulary [0, {})", t, vocab);
-  if (prompt.size() >= max_context_)
-    return Status::errorf("generate: the prompt has {} tokens; the context holds {} (--ctx)", prompt.size(), max_context_);
+  if (footprint_ + prompt.size() >= max_context_)
+    return Status::errorf("generate: the prompt has {} tokens{}; the context holds {} (--ctx)", prompt.size(),
+                          footprint_ ? fmt::format(" after the KV graft's {}", footprint_) : "", max_context_);
 
   GenerateStats stats;
   stats.prompt_tokens = static_cast<int64_t>(prompt.size());
@@ -84,6 +91,7 @@ Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const
     reset();
     SequenceOptions so;
     so.max_context = max_context_;
+    so.graft = graft_;
     DSV4_ASSIGN_OR_RETURN(seq_, model_.new_sequence(so));
   }
   const auto fresh = prompt.subspan(cached_.size());
@@ -135,7 +143,7 @@ Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const
       stats.finish = FinishReason::kLength;
       break;
     }
-    if (cached_.size() + 1 >= max_context_) {
+    if (footprint_ + cached_.size() + 1 >= max_context_) {
       stats.finish = FinishReason::kContextFull;
       break;
     }

@@ -61,6 +61,9 @@ class Generator {
                                  const std::atomic<bool>* cancel = nullptr);
 
   void reset();  // forget the cache
+  // A KV graft (kv_graft.h) planted in every sequence this generator starts: prompts then
+  // follow the graft's footprint, which counts against max_context. Forgets the cache.
+  void set_graft(std::shared_ptr<const KvGraft> graft);
   uint64_t max_context() const { return max_context_; }
   const std::vector<int32_t>& cached_tokens() const { return cached_; }
 
@@ -69,6 +72,8 @@ class Generator {
   const text::Tokenizer& tokenizer_;
   uint64_t max_context_;
   std::unique_ptr<Sequence> seq_;
+  std::shared_ptr<const KvGraft> graft_;
+  uint64_t footprint_ = 0;  // the graft's, else 0
   std::vector<int32_t> cached_;  // tokens whose KV is in seq_
 };
 

@@ -69,7 +69,7 @@ PrefixCache::PrefixCache(const Model& model, std::shared_ptr<CacheBudget> budget
   for (uint32_t b = 0; b < model_.config().n_layers; ++b) largest = std::max<int64_t>(largest, model_.config().ratio(b));
   block_ = opt_.block > 0 ? opt_.block : largest;
   interval_ = opt_.snapshot_interval > 0 ? std::max<int64_t>(block_, opt_.snapshot_interval / block_ * block_) : 8 * block_;
-  if (!opt_.persist_dir.empty()) scan_disk();
+  if (!opt_.persist_dir.empty() && !opt_.graft) scan_disk();
 }
 
 PrefixCache::~PrefixCache() = default;
@@ -80,17 +80,22 @@ bool PrefixCache::is_snapshot_point(int64_t p, int64_t prompt_end) const {
 }
 
 int64_t PrefixCache::chunk_end(const CacheEntry& e, int64_t want_end, int64_t prompt_end) const {
-  const int64_t pos = e.seq->position();
+  const int64_t pos = tokens_in(*e.seq);
   int64_t end = std::min(want_end, (pos / interval_ + 1) * interval_);
   if (const int64_t last = (prompt_end - 1) / block_ * block_; last > pos) end = std::min(end, last);
   return std::max(end, pos + 1);
 }
 
-Result<std::unique_ptr<Sequence>> PrefixCache::make_sequence() {
+float PrefixCache::default_alpha() const { return model_.steering() ? model_.steering()->alpha : 0.0f; }
+
+Result<std::unique_ptr<Sequence>> PrefixCache::make_sequence(float steering_alpha) {
   SequenceOptions so;
   so.max_context = max_context_;
   so.shared_budget = budget_;
-  return model_.new_sequence(so);
+  so.graft = opt_.graft;
+  DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, model_.new_sequence(so));
+  seq->set_steering_alpha(steering_alpha);
+  return seq;
 }
 
 template <typename Make>
@@ -140,7 +145,7 @@ void PrefixCache::remove(const std::shared_ptr<CacheEntry>& e) {
   entries_.erase(std::remove(entries_.begin(), entries_.end(), e), entries_.end());
 }
 
-Result<PrefixCache::Lease> PrefixCache::acquire(std::span<const int32_t> tokens) {
+Result<PrefixCache::Lease> PrefixCache::acquire(std::span<const int32_t> tokens, float steering_alpha) {
   ++stats_.lookups;
   const int64_t n = static_cast<int64_t>(tokens.size());
   struct Candidate {
@@ -149,6 +154,7 @@ Result<PrefixCache::Lease> PrefixCache::acquire(std::span<const int32_t> tokens)
     const SequenceSnapshot* snap = nullptr;
   } best;
   for (const auto& e : entries_) {
+    if (e->seq && e->seq->steering_alpha() != steering_alpha) continue;  // other activations, other rows
     const int64_t lcp = static_cast<int64_t>(common_prefix(e->tokens, tokens));
     Candidate c{e, 0, nullptr};
     if (lcp == static_cast<int64_t>(e->tokens.size()) && lcp < n) {
@@ -164,7 +170,7 @@ Result<PrefixCache::Lease> PrefixCache::acquire(std::span<const int32_t> tokens)
     if (better) best = c;
   }
   // A persisted entry that extends further than anything in memory.
-  for (size_t i = 0; i < disk_.size(); ++i) {
+  for (size_t i = 0; steering_alpha == default_alpha() && i < disk_.size(); ++i) {
     const DiskEntry& d = disk_[i];
     const int64_t len = static_cast<int64_t>(d.tokens.size());
     if (len <= best.usable || len >= n || common_prefix(d.tokens, tokens) != d.tokens.size()) continue;
@@ -184,7 +190,7 @@ Result<PrefixCache::Lease> PrefixCache::acquire(std::span<const int32_t> tokens)
   }
 
   if (best.usable == 0) {
-    DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, with_room([&] { return make_sequence(); }, nullptr));
+    DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, with_room([&] { return make_sequence(steering_alpha); }, nullptr));
     return Lease{adopt(std::move(seq), {}), 0};
   }
   CacheEntry& from = *best.entry;
@@ -199,14 +205,14 @@ Result<PrefixCache::Lease> PrefixCache::acquire(std::span<const int32_t> tokens)
       return Lease{e, best.usable};
     }
     if (from.busy) {  // no room for a copy: start from scratch
-      DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, with_room([&] { return make_sequence(); }, nullptr));
+      DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, with_room([&] { return make_sequence(steering_alpha); }, nullptr));
       return Lease{adopt(std::move(seq), {}), 0};
     }
   }
   if (best.snap) {
     if (Status s = model_.restore(*from.seq, *best.snap); !s.is_ok()) {
       remove(best.entry);
-      return acquire(tokens);
+      return acquire(tokens, steering_alpha);
     }
     from.tokens.resize(static_cast<size_t>(best.usable));
     drop_snapshots_after(from, best.usable);
@@ -255,7 +261,7 @@ bool PrefixCache::drop_snapshots() {
 }
 
 void PrefixCache::on_advance(CacheEntry& e, int64_t prompt_end) {
-  const int64_t p = e.seq->position();
+  const int64_t p = tokens_in(*e.seq);
   if (!is_snapshot_point(p, prompt_end) || e.snapshots.count(p)) return;
   auto snap = model_.snapshot(*e.seq);
   if (!snap.is_ok()) return;
@@ -294,7 +300,9 @@ PrefixCacheStats PrefixCache::stats() const {
 // ---- disk ------------------------------------------------------------------------------
 
 Status PrefixCache::persist(const CacheEntry& e) {
-  if (opt_.persist_dir.empty() || static_cast<int64_t>(e.tokens.size()) < block_ || !e.seq) return Status::ok();
+  if (opt_.persist_dir.empty() || opt_.graft || static_cast<int64_t>(e.tokens.size()) < block_ || !e.seq ||
+      e.seq->steering_alpha() != default_alpha())
+    return Status::ok();
   const uint64_t h = fnv1a(e.tokens.data(), e.tokens.size() * sizeof(int32_t));
   const std::string file = (fs::path(opt_.persist_dir) / fmt::format("{:016x}{}", h, kFileSuffix)).string();
   for (const DiskEntry& d : disk_)

@@ -39,6 +39,10 @@ struct PrefixCacheOptions {
   std::string persist_dir;        // empty: no disk cache
   uint64_t persist_budget = 0;    // bytes on disk; the oldest files go first
   std::string identity;           // model_identity(): what persisted files must match
+  // A KV graft planted in every sequence (kv_graft.h): entries then hold tokens after the
+  // graft's footprint; grafted sequences are never persisted (their first rows are the
+  // graft's), so no file is written or read.
+  std::shared_ptr<const KvGraft> graft;
 };
 
 // One cached sequence and the tokens in it.
@@ -49,7 +53,7 @@ struct CacheEntry {
   CacheEntry& operator=(const CacheEntry&) = delete;
 
   std::unique_ptr<Sequence> seq;
-  std::vector<int32_t> tokens;  // the tokens in seq: tokens.size() == seq->position()
+  std::vector<int32_t> tokens;  // the tokens in seq: tokens.size() == tokens_in(*seq)
   std::map<int64_t, SequenceSnapshot> snapshots;
   uint64_t snapshot_bytes = 0;  // charged to the budget
   bool busy = false;            // leased to a running request
@@ -79,10 +83,13 @@ class PrefixCache {
     std::shared_ptr<CacheEntry> entry;  // busy; its sequence holds tokens[0, reused)
     int64_t reused = 0;
   };
-  // A sequence for a request whose tokens are `tokens` (at least one is left to compute).
+  // A sequence for a request whose tokens are `tokens` (at least one is left to compute),
+  // steered at `steering_alpha` (Sequence::steering_alpha): only entries computed at that
+  // strength are reused, and only unsteered-by-request ones (the model's default strength)
+  // go to or come from disk.
   // Fails with kResourceExhausted when memory is short even after evicting every idle
   // entry it did not reuse; nothing changes then.
-  Result<Lease> acquire(std::span<const int32_t> tokens);
+  Result<Lease> acquire(std::span<const int32_t> tokens, float steering_alpha);
   void release(const std::shared_ptr<CacheEntry>& entry);  // back to idle (most recent)
   void discard(const std::shared_ptr<CacheEntry>& entry);  // freed now
 
@@ -108,7 +115,8 @@ class PrefixCache {
     uint64_t order = 0;  // write order: the lowest goes first
   };
   bool is_snapshot_point(int64_t p, int64_t prompt_end) const;
-  Result<std::unique_ptr<Sequence>> make_sequence();
+  Result<std::unique_ptr<Sequence>> make_sequence(float steering_alpha);
+  float default_alpha() const;
   template <typename Make>
   Result<std::unique_ptr<Sequence>> with_room(Make make, const CacheEntry* keep);
   std::shared_ptr<CacheEntry> adopt(std::unique_ptr<Sequence> seq, std::span<const int32_t> tokens);
@@ -134,6 +142,9 @@ class PrefixCache {
 // A string that identifies the model file's contents and the options that change its
 // numbers: size, a hash of the first 16 MiB (header, metadata, tensor table, first
 // weights) and the last 1 MiB, the context and numerics options.
+// Tokens a sequence holds after its first position (a graft's footprint, else 0).
+inline int64_t tokens_in(const Sequence& seq) { return seq.position() - seq.window_start(); }
+
 Result<std::string> model_identity(const std::string& path, const ModelOptions& options);
 
 }  // namespace dsv4::runtime

@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,9 @@
 #include "util/status.h"
 
 namespace dsv4::runtime {
+
+// The largest |steering strength| a request may ask for (docs/SERVER.md).
+inline constexpr float kMaxSteeringAlpha = 64.0f;
 
 struct RequestSpec {
   std::vector<int32_t> prompt;
@@ -36,6 +40,9 @@ struct RequestSpec {
   text::OrderedJson tools = text::OrderedJson::array();     // for the calls' checks
   std::shared_ptr<const Grammar> grammar;                    // constrain sampling (optional)
   int top_logprobs = -1;  // -1: no log-probabilities; else the chosen token's and this many others
+  // GLP steering strength for this request (the model must have a binding); absent: the
+  // bound default.
+  std::optional<float> steering_alpha;
 };
 
 struct TokenLogprob {

@@ -53,6 +53,8 @@ struct Scheduler::Active {
 Scheduler::Scheduler(const Model& model, const text::Tokenizer& tokenizer, SchedulerOptions options)
     : model_(model), tok_(tokenizer), opt_(std::move(options)) {
   if (opt_.max_context == 0) opt_.max_context = model_.config().context_length;
+  footprint_ = opt_.prefix.graft ? opt_.prefix.graft->footprint : 0;
+  token_room_ = std::max<int64_t>(0, static_cast<int64_t>(opt_.max_context) - footprint_);
   budget_ = std::make_shared<CacheBudget>(opt_.kv_budget ? opt_.kv_budget : std::numeric_limits<uint64_t>::max() / 2);
   prefix_ = std::make_unique<PrefixCache>(model_, budget_, opt_.max_context, opt_.prefix);
   vocab_ = VocabTrie::build(tok_);
@@ -78,14 +80,22 @@ std::shared_ptr<RequestHandle> Scheduler::submit(RequestSpec spec, Rejection* re
     if (t < 0 || static_cast<size_t>(t) >= vocab)
       return reject(Status::errorf("prompt token {} is outside the vocabulary [0, {})", t, vocab));
   if (Status s = spec.sampling.validate(vocab); !s.is_ok()) return reject(s);
-  const int64_t ctx = static_cast<int64_t>(opt_.max_context), n = static_cast<int64_t>(spec.prompt.size());
+  if (spec.steering_alpha) {
+    if (!model_.steering())
+      return reject(Status::error("dsv4.glp_alpha: no steering file is bound (dsv4 serve --glp FILE)"));
+    if (!std::isfinite(*spec.steering_alpha) || std::fabs(*spec.steering_alpha) > kMaxSteeringAlpha)
+      return reject(Status::errorf("dsv4.glp_alpha = {} must be finite with |alpha| <= {}", *spec.steering_alpha,
+                                   kMaxSteeringAlpha));
+  }
+  const int64_t ctx = token_room_, n = static_cast<int64_t>(spec.prompt.size());
   if (n >= ctx)
     return reject(Status::errorf(StatusCode::kOutOfRange,
-                                 "the prompt has {} tokens and the context holds {} (dsv4 serve --ctx), leaving no "
-                                 "room to generate", n, ctx));
+                                 "the prompt has {} tokens and the context holds {}{} (dsv4 serve --ctx), leaving no "
+                                 "room to generate", n, ctx,
+                                 footprint_ ? fmt::format(" after the KV graft's {}", footprint_) : std::string()));
   if (spec.max_tokens < -1) return reject(Status::errorf("max_tokens = {} must be >= 0", spec.max_tokens));
   const int64_t max_tokens = spec.max_tokens < 0 ? ctx - n : spec.max_tokens;
-  const int64_t need = std::min(ctx, n + max_tokens);
+  const int64_t need = footprint_ + std::min(ctx, n + max_tokens);
   auto plan = CachePlan::compute(model_.config(), static_cast<uint64_t>(need), false);
   if (!plan.is_ok()) return reject(plan.status());
   if (opt_.kv_budget && plan->total() > opt_.kv_budget)
@@ -143,7 +153,8 @@ bool Scheduler::admit() {
   while (running_.size() < opt_.max_seqs && !waiting_.empty()) {
     Active& r = *waiting_.front();
     if (!fits_now(r)) break;
-    auto lease = prefix_->acquire(r.tokens);
+    auto lease = prefix_->acquire(
+        r.tokens, r.spec.steering_alpha ? *r.spec.steering_alpha : (model_.steering() ? model_.steering()->alpha : 0.0f));
     if (!lease.is_ok()) {
       if (lease.status().code() == StatusCode::kResourceExhausted) break;
       finish(r, FinishReason::kEos, lease.status());
@@ -226,7 +237,7 @@ void Scheduler::sample(Active& r, std::span<const float> row) {
   if (r.generated >= r.max_tokens) return finish(r, FinishReason::kLength);
   // Tokens that may still come, this one included.
   const int64_t budget = std::min<int64_t>(r.max_tokens - r.generated,
-                                           static_cast<int64_t>(opt_.max_context) - static_cast<int64_t>(r.tokens.size()));
+                                           token_room_ - static_cast<int64_t>(r.tokens.size()));
   const int32_t eos = tok_.eos_id();
   int32_t t = 0;
   if (r.grammar && r.grammar->must_end()) {
@@ -318,7 +329,7 @@ void Scheduler::sample(Active& r, std::span<const float> row) {
     if (!ev.text.empty() || !ev.parsed.tool_calls.empty()) r.handle->push(std::move(ev));
     return finish(r, FinishReason::kStopString);
   }
-  if (r.generated >= r.max_tokens || static_cast<int64_t>(r.tokens.size()) >= static_cast<int64_t>(opt_.max_context)) {
+  if (r.generated >= r.max_tokens || static_cast<int64_t>(r.tokens.size()) >= token_room_) {
     if (!ev.text.empty()) r.handle->push(std::move(ev));
     return finish(r, r.generated >= r.max_tokens ? FinishReason::kLength : FinishReason::kContextFull);
   }
@@ -371,7 +382,7 @@ bool Scheduler::step() {
     int64_t left = opt_.batch_tokens;
     std::vector<Active*> prefill;
     for (Active* r : order) {
-      const int64_t pos = r->entry->seq->position(), pending = static_cast<int64_t>(r->tokens.size()) - pos;
+      const int64_t pos = tokens_in(*r->entry->seq), pending = static_cast<int64_t>(r->tokens.size()) - pos;
       if (pending == 1 && left > 0) {
         items.push_back({r, pos, 1});
         --left;
@@ -384,7 +395,7 @@ bool Scheduler::step() {
     });
     for (Active* r : prefill) {
       if (left <= 0) break;
-      const int64_t pos = r->entry->seq->position();
+      const int64_t pos = tokens_in(*r->entry->seq);
       const int64_t want = pos + std::min<int64_t>(left, static_cast<int64_t>(r->tokens.size()) - pos);
       const int64_t end = prefix_->chunk_end(*r->entry, want, r->prompt_len);
       items.push_back({r, pos, end - pos});
@@ -445,7 +456,7 @@ bool Scheduler::step() {
       std::lock_guard<std::mutex> lock(mu_);
       metrics_.computed_tokens += static_cast<uint64_t>(items[i].n);
     }
-    if (r.entry->seq->position() == static_cast<int64_t>(r.tokens.size()))
+    if (tokens_in(*r.entry->seq) == static_cast<int64_t>(r.tokens.size()))
       sample(r, std::span<const float>(out.logits).subspan(i * vocab, vocab));
   }
   sweep();

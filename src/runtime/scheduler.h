@@ -13,6 +13,11 @@
 // when a slot is free (max_seqs) and its plan fits next to what the running sequences
 // have committed; its sequence comes from the prefix cache (prefix_cache.h).
 //
+// A KV graft (options.prefix.graft) starts every sequence at its footprint F: prompts and
+// outputs get max_context - F tokens, and each request's cache plan covers F + its tokens
+// (the graft's rows are committed with the sequence). A request's steering strength
+// (RequestSpec::steering_alpha) needs a bound steering file and |alpha| <= kMaxSteeringAlpha.
+//
 // Memory is committed as rows are written, so running requests may outgrow the budget
 // together: a step that cannot get memory evicts idle prefix-cache entries, then drops
 // the running entries' snapshots, then preempts the lowest-priority (youngest) request — its sequence is freed and it goes
@@ -48,7 +53,7 @@ struct SchedulerOptions {
   size_t max_queue = 64;          // waiting requests
   int64_t batch_tokens = 256;     // tokens per forward
   uint64_t kv_budget = 0;         // bytes for every sequence and snapshot; 0: unlimited
-  PrefixCacheOptions prefix;
+  PrefixCacheOptions prefix;      // its graft: planted in every sequence (kv_graft.h)
 };
 
 // A rejection from submit(): the status, and for a full queue a retry estimate.
@@ -89,6 +94,8 @@ class Scheduler {
   const Model& model_;
   const text::Tokenizer& tok_;
   SchedulerOptions opt_;
+  int64_t footprint_ = 0;   // the graft's F, else 0
+  int64_t token_room_ = 0;  // max_context - F: tokens a request's prompt and output may use
   std::shared_ptr<CacheBudget> budget_;
   std::unique_ptr<PrefixCache> prefix_;
   std::shared_ptr<const VocabTrie> vocab_;

@@ -51,6 +51,7 @@ struct ApiContext {
   std::shared_ptr<const runtime::VocabTrie> vocab;  // for grammar-constrained requests
   bool default_thinking = true;
   text::EffortTable effort_table = text::EffortTable::kV4;
+  bool steering_bound = false;  // serve --glp: requests may set "dsv4": {"glp_alpha": A}
 };
 
 struct ParsedRequest {

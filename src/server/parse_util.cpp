@@ -210,6 +210,17 @@ void read_sampling(Fields& f, runtime::RequestSpec& spec, const ApiContext& ctx)
       p.logit_bias.push_back({static_cast<int32_t>(id), static_cast<float>(value.get<double>())});
     }
   }
+  // Our extension object (docs/SERVER.md): "dsv4": {"glp_alpha": A}.
+  if (const OrderedJson* ext = f.object("dsv4")) {
+    Fields g(*ext, "dsv4", f.error());
+    g.only({"glp_alpha"});
+    if (auto a = g.number("glp_alpha", -runtime::kMaxSteeringAlpha, runtime::kMaxSteeringAlpha)) {
+      if (!ctx.steering_bound)
+        g.fail("glp_alpha", "no steering file is bound on this server (dsv4 serve --glp FILE)");
+      else
+        spec.steering_alpha = static_cast<float>(*a);
+    }
+  }
 }
 
 bool check_openai_tools(Fields& f, const char* key, const OrderedJson& tools) {

@@ -19,6 +19,7 @@ class Fields {
  public:
   Fields(const OrderedJson& object, std::string where, ApiError& err);
   bool ok() const { return err_.message.empty(); }
+  ApiError& error() const { return err_; }
   const OrderedJson& json() const { return obj_; }
   bool has(const char* key) const;  // present and not null
 
@@ -46,7 +47,9 @@ std::string json_type_name(const OrderedJson& v);
 bool check_model(Fields& f, const ApiContext& ctx, std::string& model, bool required);
 
 // temperature, top_p, top_k, min_p, seed, presence/frequency/repetition penalties,
-// logit_bias (OpenAI's {"token id": bias}), priority.
+// logit_bias (OpenAI's {"token id": bias}), priority, and our extension object "dsv4"
+// ({"glp_alpha": A}: the steering strength, |A| <= runtime::kMaxSteeringAlpha, only with a
+// bound steering file).
 void read_sampling(Fields& f, runtime::RequestSpec& spec, const ApiContext& ctx);
 
 // Validates an OpenAI tools array ({"type": "function", "function": {...}}).

@@ -215,7 +215,7 @@ Result<ParsedRequest> parse_chat_completion(const OrderedJson& body, const ApiCo
           "top_p", "top_k", "min_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice",
           "parallel_tool_calls", "response_format", "reasoning_effort", "thinking", "chat_template_kwargs", "user",
-          "metadata", "store", "service_tier", "priority", "modalities", "prompt_cache_key", "safety_identifier"});
+          "metadata", "store", "service_tier", "priority", "dsv4", "modalities", "prompt_cache_key", "safety_identifier"});
   ParsedRequest r;
   r.request = body;
   detail::check_model(f, ctx, r.model, true);
@@ -271,7 +271,7 @@ Result<ParsedRequest> parse_completion(const OrderedJson& body, const ApiContext
   Fields f(body, "", err);
   f.only({"model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
           "best_of", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-          "logprobs", "echo", "suffix", "user", "priority"});
+          "logprobs", "echo", "suffix", "user", "priority", "dsv4"});
   ParsedRequest r;
   r.request = body;
   detail::check_model(f, ctx, r.model, true);
@@ -429,7 +429,7 @@ Result<ParsedRequest> parse_responses(const OrderedJson& body, const ApiContext&
   Fields f(body, "", err);
   f.only({"model", "input", "instructions", "stream", "stream_options", "max_output_tokens", "temperature", "top_p",
           "top_k", "tools", "tool_choice", "parallel_tool_calls", "reasoning", "text", "store", "metadata", "user",
-          "previous_response_id", "include", "truncation", "service_tier", "seed", "priority", "prompt_cache_key",
+          "previous_response_id", "include", "truncation", "service_tier", "seed", "priority", "dsv4", "prompt_cache_key",
           "background", "max_tool_calls", "safety_identifier", "top_logprobs", "conversation", "prompt"});
   ParsedRequest r;
   r.request = body;
@@ -622,7 +622,7 @@ Result<ParsedRequest> parse_messages(const OrderedJson& body, const ApiContext& 
   err = {};
   Fields f(body, "", err);
   f.only({"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "priority", "context_management",
+          "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "priority", "dsv4", "context_management",
           "mcp_servers"});
   ParsedRequest r;
   r.request = body;

@@ -68,6 +68,7 @@ int run_chat(ChatCliOptions& o) {
   };
   start_conversation();
   runtime::Generator gen(*s.model, *s.tokenizer, o.session.ctx);
+  gen.set_graft(s.graft);
   InterruptFlag interrupt;
 
   fmt::print("dsv4 chat: {}{} ({} mode). /think, /nothink, /reset, /quit; Ctrl-C stops a reply.\n", s.model_path,

@@ -18,6 +18,7 @@
 #include "synth/builtin_model.h"
 #include "model/cache_layout.h"
 #include "model/config.h"
+#include "model/kv_graft.h"
 #include "model/model_files.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
@@ -34,6 +35,8 @@ struct InfoOptions {
   uint32_t layers = 0;
   std::string expert_type;
   std::string dense_type;
+  std::string kv_graft;  // --kv-graft FILE: describe a bank instead
+  std::string model;     // -m: with --kv-graft, the model it must fit
 };
 
 std::string with_commas(uint64_t n) {
@@ -371,7 +374,59 @@ int info_for_preset(const InfoOptions& o) {
   return kExitOk;
 }
 
+// A KV graft bank (kv_graft.h) as its header states it; with a model, whether it fits.
+int info_for_graft(const InfoOptions& o) {
+  gguf::OpenOptions header_only;
+  header_only.map_data = false;
+  auto file = gguf::GgufFile::open(o.kv_graft, header_only);
+  if (!file.is_ok()) return report_error(file.status());
+  auto version = file->get_uint("graft.version");
+  auto identity = file->get_string("graft.model.identity");
+  auto layers = file->get_uint_array("graft.layers");
+  auto slots = file->get_uint_array("graft.slots");
+  auto footprint = file->get_uint("graft.footprint");
+  for (const Status& s : {version.status(), identity.status(), layers.status(), slots.status(), footprint.status()})
+    if (!s.is_ok()) return report_error(Status::errorf("{}: not a KV graft bank: {}", o.kv_graft, s.message()));
+  uint64_t row_bytes = 0;
+  for (const auto& t : file->tensors()) row_bytes += t.nbytes;
+  fmt::print("KV graft bank: {} (graft.version {})\n", o.kv_graft, *version);
+  fmt::print("made for: {}\n", *identity);
+  fmt::print("footprint F: {} tokens (a grafted sequence starts at position {})\n", *footprint, *footprint);
+  fmt::print("rows: {}\n", bytes_both(row_bytes));
+  fmt::print("covered layers: {}\n", layers->size());
+  for (size_t i = 0; i < layers->size(); ++i) {
+    const std::string index = fmt::format("graft.index.{}", (*layers)[i]);
+    fmt::print("  layer {:>3}: N = {}{}\n", (*layers)[i], i < slots->size() ? (*slots)[i] : 0,
+               file->find_tensor(index) ? " (+ indexer keys)" : "");
+  }
+  if (o.model.empty() && o.file.empty()) return kExitOk;
+  const std::string model = o.model.empty() ? o.file : o.model;
+  ModelFilesOptions fo;
+  fo.open.map_data = false;
+  auto files = ModelFiles::open(model, fo);
+  if (!files.is_ok()) return report_error(files.status());
+  auto bank = KvGraft::read(o.kv_graft, files->config());
+  if (!bank.is_ok()) {
+    fmt::print("fits {}: no\n", model);
+    return report_error(bank.status());
+  }
+  fmt::print("fits {}: yes ({} of its context of {} tokens used by the graft)\n", model, bank->footprint,
+             files->config().context_length);
+  return kExitOk;
+}
+
 int run_info(const InfoOptions& o) {
+  if (!o.kv_graft.empty()) {
+    if (!o.preset.empty()) {
+      fmt::print(stderr, "dsv4 info: --kv-graft takes a model (FILE or -m), not --preset\n");
+      return kExitUsage;
+    }
+    return info_for_graft(o);
+  }
+  if (!o.model.empty()) {
+    fmt::print(stderr, "dsv4 info: -m goes with --kv-graft; give the model as FILE\n");
+    return kExitUsage;
+  }
   if (!o.file.empty() && !o.preset.empty()) {
     fmt::print(stderr, "dsv4 info: give a FILE or --preset, not both\n");
     return kExitUsage;
@@ -400,6 +455,10 @@ void register_info(CLI::App& app, CommandRunner& run) {
   app.add_option("--layers", o->layers, "with --preset: keep the first N layers")->check(CLI::PositiveNumber);
   app.add_option("--experts", o->expert_type, "with --preset: routed-expert type (default: the preset's)");
   app.add_option("--dense", o->dense_type, "with --preset: type of the other matrices");
+  app.add_option("--kv-graft", o->kv_graft, "describe a KV graft bank: layers, slot counts, footprint, model")
+      ->check(CLI::ExistingFile);
+  app.add_option("-m,--model", o->model, "with --kv-graft: also check that the bank fits this model")
+      ->check(CLI::ExistingFile);
   run = [o] { return run_info(*o); };
 }
 

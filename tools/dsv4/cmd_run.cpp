@@ -49,6 +49,7 @@ int run_run(RunOptions& o) {
   const text::ThinkingMode mode = o.raw ? text::ThinkingMode::kChat : s.chat.thinking;
   ReplyPrinter printer(mode, s.tools, !o.json, isatty(STDOUT_FILENO) != 0);
   runtime::Generator gen(*s.model, *s.tokenizer, o.session.ctx);
+  gen.set_graft(s.graft);
   InterruptFlag interrupt;
   auto stats = gen.generate(*ids, s.generate, [&](std::string_view t) { printer.on_text(t); }, &interrupt.flag());
   if (!stats.is_ok()) return fail(stats.status());

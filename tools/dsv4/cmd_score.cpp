@@ -15,6 +15,8 @@
 
 #include "backend_choice.h"
 #include "commands.h"
+#include "gguf/gguf_file.h"
+#include "interventions.h"
 #include "model/model.h"
 
 namespace dsv4::cli {
@@ -29,7 +31,17 @@ struct ScoreOptions {
   bool no_qat = false;
   bool mtp = false;
   BackendFlags backend;
+  InterventionFlags interventions;
 };
+
+// The footprint a bank declares (checked against the model once it is loaded), to size a
+// device cache before loading.
+Result<uint64_t> declared_footprint(const std::string& path) {
+  gguf::OpenOptions header_only;
+  header_only.map_data = false;
+  DSV4_ASSIGN_OR_RETURN(gguf::GgufFile file, gguf::GgufFile::open(path, header_only));
+  return file.get_uint("graft.footprint");
+}
 
 Result<std::vector<int32_t>> read_tokens(const std::string& path) {
   std::ifstream in(path);
@@ -66,21 +78,28 @@ Status write_npy(const std::string& path, const std::vector<float>& data, int64_
 }
 
 Status run_score(const ScoreOptions& o) {
+  DSV4_TRY(validate_intervention_flags(o.interventions));
   DSV4_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, read_tokens(o.tokens));
+  uint64_t footprint = 0;
+  if (!o.interventions.kv_graft.empty()) {
+    DSV4_ASSIGN_OR_RETURN(footprint, declared_footprint(o.interventions.kv_graft));
+  }
   DSV4_ASSIGN_OR_RETURN(ChosenBackend chosen, make_backend(o.backend, "dsv4 score"));
   ModelOptions mo;
   mo.qat = !o.no_qat;
   mo.matmul = matmul_mode(o.backend, chosen);
-  mo.cache = cache_options(chosen, 1, tokens.size());
+  mo.cache = cache_options(chosen, 1, footprint + tokens.size());
   mo.mtp_path = o.mtp_file;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, *chosen.backend, mo));
   const int64_t n = static_cast<int64_t>(tokens.size()), vocab = model->config().vocab_size;
   if (o.mtp && !model->has_mtp()) return Status::errorf("{}: the model has no MTP block", o.model);
   if (o.mtp && n < 2) return Status::error("--mtp needs at least 2 tokens");
+  DSV4_ASSIGN_OR_RETURN(std::shared_ptr<const KvGraft> graft, apply_interventions(o.interventions, *model));
 
   SequenceOptions so;
-  so.max_context = static_cast<uint64_t>(n);
+  so.max_context = static_cast<uint64_t>(n) + (graft ? static_cast<uint64_t>(graft->footprint) : 0);
   so.with_mtp = o.mtp;
+  so.graft = graft;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, model->new_sequence(so));
   const int64_t chunk = o.chunk > 0 ? o.chunk : n;
   std::vector<float> logits, streams;
@@ -119,6 +138,7 @@ void register_score(CLI::App& app, CommandRunner& run) {
   app.add_flag("--no-qat", o->no_qat, "switch off the official QAT roundings (FP8 KV, FP4 indexer)");
   app.add_flag("--mtp", o->mtp, "write the MTP block's draft logits [tokens-1, vocab] instead");
   add_backend_flags(app, o->backend);
+  add_intervention_flags(app, o->interventions);
   app.add_option("-t,--threads", o->backend.threads, "CPU threads (default: all)");
   run = [o] {
     const Status s = run_score(*o);

@@ -14,6 +14,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "commands.h"
+#include "interventions.h"
 #include "gguf/gguf_file.h"
 #include "model/model.h"
 #include "runtime/scheduler.h"
@@ -51,7 +52,19 @@ struct ServeOptions {
   bool fast = false;
   std::string max_body = "16M";
   int http_threads = 64;
+  InterventionFlags interventions;  // --glp, --glp-alpha, --glp-layers, --kv-graft
 };
+
+// FNV-1a of a file's bytes: a steering file's part of the prefix-cache identity.
+Result<uint64_t> file_hash(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::errorf("{}: cannot read", path);
+  uint64_t h = 0xcbf29ce484222325ull;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0)
+    for (std::streamsize i = 0; i < in.gcount(); ++i) h = (h ^ static_cast<uint8_t>(buf[i])) * 0x100000001b3ull;
+  return h;
+}
 
 // "1048576", "512K", "8M", "2G", "1T" (powers of 1024).
 Result<uint64_t> parse_bytes(const std::string& flag, const std::string& s) {
@@ -86,6 +99,7 @@ int run_serve(ServeOptions& o) {
   auto max_body = parse_bytes("--max-body", o.max_body);
   for (const auto* r : {&kv_budget, &persist_budget, &max_body})
     if (!r->is_ok()) return fail(r->status(), kExitUsage);
+  if (Status s = validate_intervention_flags(o.interventions); !s.is_ok()) return fail(s, kExitUsage);
   if (o.max_seqs == 0) return fail(Status::error("--max-seqs must be at least 1"), kExitUsage);
   if (o.batch_tokens < 1) return fail(Status::error("--batch-tokens must be at least 1"), kExitUsage);
   if (o.api_key.empty())
@@ -118,6 +132,11 @@ int run_serve(ServeOptions& o) {
   if (o.ctx > config.context_length)
     return fail(Status::errorf("--ctx {} exceeds the model's context length {}", o.ctx, config.context_length), kExitUsage);
   const uint64_t ctx = o.ctx ? o.ctx : config.context_length;
+  auto graft = apply_interventions(o.interventions, **model);
+  if (!graft.is_ok()) return fail(graft.status());
+  if (*graft && static_cast<uint64_t>((*graft)->footprint) + 1 >= ctx)
+    return fail(Status::errorf("--kv-graft {}: its footprint of {} tokens leaves no room in a context of {} (--ctx)",
+                               o.interventions.kv_graft, (*graft)->footprint, ctx), kExitUsage);
 
   runtime::SchedulerOptions so;
   so.max_context = ctx;
@@ -127,15 +146,26 @@ int run_serve(ServeOptions& o) {
   so.kv_budget = *kv_budget;
   so.prefix.snapshot_interval = o.snapshot_interval;
   so.prefix.max_idle = o.cache_entries;
+  so.prefix.graft = *graft;
   if (!o.kv_persist.empty()) {
     auto identity = runtime::model_identity(path, mo);
     if (!identity.is_ok()) return fail(identity.status());
+    // What changes the rows is part of the identity: the steering binding and the graft
+    // (grafted sequences are not persisted at all, prefix_cache.h).
+    if (!o.interventions.glp.empty()) {
+      auto h = file_hash(o.interventions.glp);
+      if (!h.is_ok()) return fail(h.status());
+      *identity += fmt::format(" glp={:016x} alpha={} layers={}", *h, (*model)->steering()->alpha,
+                               o.interventions.glp_layers);
+    }
+    if (*graft) *identity += fmt::format(" graft={:016x}", (*graft)->hash);
     so.prefix.persist_dir = o.kv_persist;
     so.prefix.persist_budget = *persist_budget;
     so.prefix.identity = *identity;
   }
+  const uint64_t footprint = *graft ? static_cast<uint64_t>((*graft)->footprint) : 0;
   if (so.kv_budget) {
-    auto one = CachePlan::compute(config, std::min<uint64_t>(ctx, 1), false);
+    auto one = CachePlan::compute(config, std::min<uint64_t>(ctx, footprint + 1), false);
     if (one.is_ok() && one->total() > so.kv_budget)
       return fail(Status::errorf("--kv-budget {} bytes cannot hold even one sequence ({} bytes fixed)", so.kv_budget,
                                  one->total()), kExitUsage);
@@ -147,7 +177,8 @@ int run_serve(ServeOptions& o) {
   api.model_names = o.served_names;
   if (api.model_names.empty()) api.model_names.push_back(std::filesystem::path(path).stem().string());
   api.any_model = o.any_model;
-  api.max_context = ctx;
+  api.max_context = ctx - footprint;
+  api.steering_bound = (*model)->steering() != nullptr;
   api.vocab_size = config.vocab_size;
   api.replay = &scheduler.replay();
   api.vocab = scheduler.vocab();
@@ -225,6 +256,7 @@ void register_serve(CLI::App& app, CommandRunner& run) {
   app.add_flag("--fast", o->fast, "integer dot products on quantised activations (not the fp32 reference)");
   app.add_option("--max-body", o->max_body, "largest request body; larger get 413 (default 16M)");
   app.add_option("--http-threads", o->http_threads, "connections served at once (default 64)");
+  add_intervention_flags(app, o->interventions);
   run = [o] { return run_serve(*o); };
 }
 

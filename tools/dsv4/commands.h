@@ -33,5 +33,7 @@ void register_engram(CLI::App& app, CommandRunner& run);    // cmd_engram.cpp
 void register_bench(CLI::App& app, CommandRunner& run);     // cmd_bench.cpp
 void register_chat_render(CLI::App& app, CommandRunner& run);  // cmd_chat_render.cpp
 void register_serve(CLI::App& app, CommandRunner& run);     // cmd_serve.cpp
+void register_glp(CLI::App& app, CommandRunner& run);       // cmd_glp.cpp
+void register_graft(CLI::App& app, CommandRunner& run);     // cmd_graft.cpp
 
 }  // namespace dsv4::cli

@@ -33,6 +33,8 @@ int main(int argc, char** argv) {
   add("bench", "Measure prefill, decode and batched decode speed against the bounds of this machine", register_bench);
   add("quant", "Quantise / dequantise raw blocks of one element type (development tool)", register_quant);
   add("engram", "V4.1 Engram hash constants and row ids as JSON (development tool)", register_engram);
+  add("glp", "Make a GLP steering direction from two sets of prompts: glp make (docs/STEERING.md)", register_glp);
+  add("graft", "Make a compressed-KV bank from a prompt: graft make (docs/STEERING.md)", register_graft);
   add("chat-render", "Render conversations (JSON lines) with the chat encoder; --template prints the Jinja template (development tool)", register_chat_render);
 
   try {

@@ -60,6 +60,7 @@ void add_session_flags(CLI::App& app, SessionFlags& f) {
   app.add_option("--stop-token", f.stop_token, "stop at this token id, besides EOS (repeatable)")->allow_extra_args(false);
   app.add_option("-n,--max-tokens", f.max_tokens, "most tokens to generate per reply (default 2048)");
   app.add_option("-s,--seed", f.seed, "random seed; the same seed gives the same output (default: random)");
+  add_intervention_flags(app, f.interventions);
 }
 
 Status validate_session_flags(const SessionFlags& f) {
@@ -86,6 +87,7 @@ Status validate_session_flags(const SessionFlags& f) {
     if (s.empty()) return Status::error("--stop: an empty stop string would stop at once");
   for (int32_t t : f.stop_token)
     if (t < 0) return Status::errorf("--stop-token {} is not a token id", t);
+  DSV4_TRY(validate_intervention_flags(f.interventions));
   if (!f.effort.empty()) {
     const bool ok = f.effort_table == "v4" ? (f.effort == "high" || f.effort == "max")
                                            : (f.effort == "low" || f.effort == "high" || f.effort == "max");
@@ -126,6 +128,7 @@ Result<Session> open_session(const SessionFlags& f, const char* command) {
                           s.tokenizer->vocab_size(), vocab);
   if (f.ctx > s.model->config().context_length)
     return Status::errorf("--ctx {} exceeds the model's context length {}", f.ctx, s.model->config().context_length);
+  DSV4_ASSIGN_OR_RETURN(s.graft, apply_interventions(f.interventions, *s.model));
 
   if (!f.tools_file.empty()) {
     std::ifstream in(f.tools_file);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend_choice.h"
+#include "interventions.h"
 #include "model/model.h"
 #include "runtime/generator.h"
 #include "text/chat.h"
@@ -44,6 +45,7 @@ struct SessionFlags {
   std::string effort_table = "v4";
   std::string system;
   std::string tools_file;
+  InterventionFlags interventions;  // --glp, --glp-alpha, --glp-layers, --kv-graft
 };
 
 void add_session_flags(CLI::App& app, SessionFlags& f);
@@ -61,6 +63,7 @@ struct Session {
   text::OrderedJson tools = text::OrderedJson::array();
   text::ChatOptions chat;
   runtime::GenerateOptions generate;
+  std::shared_ptr<const KvGraft> graft;  // --kv-graft: for the generator (set_graft)
 };
 
 // Loads the model (the built-in one when -m is absent, writing it on first use) and its
