@@ -35,6 +35,19 @@ TEST(InfoCliTest, FlashPresetPlan) {
   expect_contains(r.output, "experts q2_K");
 }
 
+// V4-Pro (spec §1.4): its schedule has no window-only trunk layer, and its cache grows by
+// the 9,848 B per token (bf16) the spec computes.
+TEST(InfoCliTest, ProPresetPlan) {
+  const auto r = test::run_command(cli() + " info --preset pro --ctx 1048576");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, "hidden 7168, 61 layers + 1 MTP block");
+  expect_contains(r.output, "0 window, 30 CSA (ratio 4), 31 HCA (ratio 128)");
+  expect_contains(r.output, "HHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHC | MTP W");
+  expect_contains(r.output, "384 experts, top-6 + 1 shared, width 3072, 3 hash-routed layers, routed scale 2.5");
+  expect_contains(r.output, "9,848 B");
+  expect_contains(r.output, "indexer             64 heads x 128, top-k 1024");
+}
+
 TEST(InfoCliTest, PresetOptions) {
   const auto r = test::run_command(cli() + " info --preset flash --layers 4 --experts q4_K --ctx 4096");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -394,7 +394,7 @@ void register_info(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<InfoOptions>();
   app.add_option("file", o->file, "GGUF model file (any part of a split set); default: the built-in model");
   app.add_option("--mtp", o->mtp, "MTP sidecar of a trunk-only file (default: mtp-*.gguf found next to it)");
-  app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, interop, small, flash, tiny41, small41, flash41");
+  app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, interop, small, flash, pro, tiny41, small41, flash41");
   app.add_option("--ctx", o->ctx, "tokens per sequence for the cache plan (default: training context)")
       ->check(CLI::PositiveNumber);
   app.add_option("--layers", o->layers, "with --preset: keep the first N layers")->check(CLI::PositiveNumber);
