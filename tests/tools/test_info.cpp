@@ -48,6 +48,31 @@ TEST(InfoCliTest, ProPresetPlan) {
   expect_contains(r.output, "indexer             64 heads x 128, top-k 1024");
 }
 
+// The partition plan (model/partition.h) as `info --gpus N` prints it, and its refusal.
+TEST(InfoCliTest, GpuPartitionPlan) {
+  const auto flash = test::run_command(cli() + " info --preset flash --experts mxfp4 --gpus 2");
+  ASSERT_EQ(flash.exit_code, 0) << flash.output;
+  expect_contains(flash.output, "partition over 2 GPUs (139.00 GiB usable each");
+  expect_contains(flash.output, "256 experts per layer over 2 GPUs");
+  expect_contains(flash.output, "128-255 (128)");
+  expect_contains(flash.output, "the cheaper exchange: all-gather + reduce-scatter");
+  expect_contains(flash.output, "fits: yes");
+  const auto one = test::run_command(cli() + " info --preset flash --experts mxfp4 --gpus 1");
+  EXPECT_NE(one.exit_code, 0) << one.output;
+  expect_contains(one.output, "does not fit 1 GPU: GPU 0 needs");
+  const auto pro = test::run_command(cli() + " info --preset pro --experts q8_0 --gpus 8 --ctx 65536");
+  EXPECT_NE(pro.exit_code, 0) << pro.output;
+  expect_contains(pro.output, "336-383 ( 48)");
+  expect_contains(pro.output, "does not fit 8 GPUs");
+  expect_contains(pro.output, "more than its usable 139.00 GiB");
+  const auto pro4 = test::run_command(cli() + " info --preset pro --experts q4_K --gpus 8 --gpu-memory 80");
+  EXPECT_NE(pro4.exit_code, 0) << pro4.output;
+  expect_contains(pro4.output, "usable 80.00 GiB");
+  const auto many = test::run_command(cli() + " info --preset tiny --gpus 9");
+  EXPECT_NE(many.exit_code, 0) << many.output;
+  expect_contains(many.output, "more GPUs than the 8 routed experts");
+}
+
 TEST(InfoCliTest, PresetOptions) {
   const auto r = test::run_command(cli() + " info --preset flash --layers 4 --experts q4_K --ctx 4096");
   ASSERT_EQ(r.exit_code, 0) << r.output;
