@@ -41,6 +41,11 @@ uint64_t PartitionPlan::max_gpu_bytes() const {
   return m;
 }
 
+ExpertRange expert_range(uint32_t n_experts, uint32_t n_ranks, uint32_t rank) {
+  const uint32_t base = n_experts / n_ranks, extra = n_experts % n_ranks;
+  return {rank * base + std::min(rank, extra), base + (rank < extra ? 1u : 0u)};
+}
+
 bool tensor_parallel_splits(const TensorSpec& spec) {
   if (spec.global_kind)
     return *spec.global_kind == GlobalTensor::TokenEmbd || *spec.global_kind == GlobalTensor::Output;
@@ -128,11 +133,11 @@ Result<PartitionPlan> plan_partition(const ModelConfig& config, std::span<const 
 
   auto build = [&](DenseMode mode) {
     std::vector<GpuShare> shares(n);
-    const uint32_t base = min_experts / n, extra = min_experts % n;
     for (uint32_t i = 0; i < n; ++i) {
       GpuShare& s = shares[i];
-      s.n_experts = base + (i < extra ? 1 : 0);
-      s.first_expert = i * base + std::min(i, extra);
+      const ExpertRange range = expert_range(min_experts, n, i);
+      s.first_expert = range.first;
+      s.n_experts = range.count;
       for (uint64_t b : sums.per_expert) s.expert_bytes += b * s.n_experts;
       if (mode == DenseMode::Replicated) {
         s.dense_bytes = sums.dense;

@@ -95,6 +95,13 @@ struct PartitionPlan {
   uint64_t max_gpu_bytes() const;
 };
 
+// Rank r's experts of n_experts over n_ranks: contiguous, the first n_experts mod n_ranks
+// ranges one larger (the rule above; the expert-parallel MoE uses the same ranges).
+struct ExpertRange {
+  uint32_t first = 0, count = 0;
+};
+ExpertRange expert_range(uint32_t n_experts, uint32_t n_ranks, uint32_t rank);
+
 // Whether tensor parallelism splits this tensor (N ways).
 bool tensor_parallel_splits(const TensorSpec& spec);
 
