@@ -6,7 +6,7 @@
 //
 // Implementations: HostCollectiveGroup (backend/cpu/host_collective.h: threads and
 // memcpy, the CPU reference and CI's test bed) and NcclCollectiveGroup
-// (backend/cuda/nccl_collective.h, built with -DDSV4_CUDA=ON when NCCL is found).
+// (backend/cuda/nccl_collective.h, library dsv4_nccl: -DDSV4_CUDA=ON with NCCL found).
 #pragma once
 
 #include <cstddef>

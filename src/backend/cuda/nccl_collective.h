@@ -1,8 +1,9 @@
 // Collectives (backend/collective.h) between the GPUs of one host through NCCL: one
 // process, one thread and one stream per GPU (each rank's stream is its CudaBackend's, so
-// a collective is ordered with the backend's work and needs no host synchronisation; it
-// can be captured in the backend's CUDA graphs). Built only with -DDSV4_CUDA=ON when NCCL
-// is found (src/CMakeLists.txt defines DSV4_HAVE_NCCL).
+// a collective is ordered with the backend's work and needs no host synchronisation; NCCL
+// supports stream capture, so it may go into the decode graph, not yet tried). Library
+// dsv4_nccl, built only with -DDSV4_CUDA=ON when NCCL is found (it defines DSV4_HAVE_NCCL);
+// dsv4 and test_cuda do not link it.
 //
 // Sums are NCCL's: deterministic run to run on the same GPUs, counts and NCCL version, but
 // not in rank order; the expert-parallel MoE combines with all_gather only (a copy), so
