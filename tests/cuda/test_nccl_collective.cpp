@@ -20,7 +20,7 @@ namespace {
 
 TEST(NcclCollective, MatchesTheHostCollectives) {
   int n = 0;
-  ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;  // no driver: no GPU
   if (n < 2) GTEST_SKIP() << "needs 2 or more GPUs, found " << n;
   std::vector<int> devices(n);
   std::vector<cudaStream_t> streams(n);
