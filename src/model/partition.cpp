@@ -27,6 +27,7 @@ struct Sums {
   uint64_t experts = 0, dense = 0, split = 0;
   uint64_t dense_read = 0, split_read = 0;  // of dense / split: read per decoded token
   std::vector<uint64_t> per_expert;         // per MoE block: bytes of one expert (all three stacks)
+  std::vector<uint32_t> n_experts;          // per MoE block (V4.1's DSpark stages have their own count)
 };
 
 }  // namespace
@@ -93,6 +94,7 @@ Result<PartitionPlan> plan_partition(const ModelConfig& config, std::span<const 
     if (std::find(moe_blocks.begin(), moe_blocks.end(), *s.block) == moe_blocks.end()) {
       moe_blocks.push_back(*s.block);
       sums.per_expert.push_back(0);
+      sums.n_experts.push_back(e);
     }
     const size_t i = std::find(moe_blocks.begin(), moe_blocks.end(), *s.block) - moe_blocks.begin();
     sums.per_expert[i] += t.bytes / e;
@@ -122,7 +124,8 @@ Result<PartitionPlan> plan_partition(const ModelConfig& config, std::span<const 
   // tensor parallelism also the attention all-reduce of every block, and the embedding
   // and logits exchanges).
   uint64_t expert_read = 0;
-  for (uint64_t b : sums.per_expert) expert_read += b * k;
+  for (size_t b = 0; b < sums.per_expert.size(); ++b)
+    expert_read += sums.per_expert[b] * std::min<uint64_t>(config.experts_used_of(moe_blocks[b]), sums.n_experts[b]);
   const GpuSet& g = options.gpus;
   const double moe_sync = n > 1 ? plan.moe_layers * g.collective_latency_s : 0;
   const double expert_s = static_cast<double>(expert_read) / n / g.hbm_bytes_per_s;
@@ -135,10 +138,11 @@ Result<PartitionPlan> plan_partition(const ModelConfig& config, std::span<const 
     std::vector<GpuShare> shares(n);
     for (uint32_t i = 0; i < n; ++i) {
       GpuShare& s = shares[i];
-      const ExpertRange range = expert_range(min_experts, n, i);
+      const ExpertRange range = expert_range(sums.n_experts.front(), n, i);  // the first MoE block's
       s.first_expert = range.first;
       s.n_experts = range.count;
-      for (uint64_t b : sums.per_expert) s.expert_bytes += b * s.n_experts;
+      for (size_t b = 0; b < sums.per_expert.size(); ++b)
+        s.expert_bytes += sums.per_expert[b] * expert_range(sums.n_experts[b], n, i).count;
       if (mode == DenseMode::Replicated) {
         s.dense_bytes = sums.dense;
         s.sequences = options.sequences / n + (i < options.sequences % n ? 1 : 0);

@@ -62,7 +62,7 @@ struct PartitionOptions {
 };
 
 struct GpuShare {
-  uint32_t first_expert = 0, n_experts = 0;  // its range of routed experts
+  uint32_t first_expert = 0, n_experts = 0;  // its range of the first MoE block's routed experts
   uint64_t expert_bytes = 0;
   uint64_t dense_bytes = 0;     // replicated tensors plus its share of split ones
   uint64_t cache_bytes = 0;     // KV cache of the sequences it holds

@@ -86,6 +86,19 @@ TEST(PartitionTest, ExpertsSplitEvenlyAndEveryByteIsPlaced) {
   EXPECT_EQ(flash3->gpus[2].first_expert, 171u);
 }
 
+// V4.1-Flash: the DSpark stages have their own expert count; every expert byte is still placed.
+TEST(PartitionTest, V41DsparkStagesSplitByTheirOwnCount) {
+  const Model m = stored_as(small41_config(), GgmlType::Q8_0, GgmlType::Q8_0);
+  for (uint32_t n : {2u, 3u}) {
+    auto plan = plan_partition(m.config, m.tensors, on_h200s(n, 4096));
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    uint64_t experts = 0;
+    for (const GpuShare& g : plan->gpus) experts += g.expert_bytes;
+    EXPECT_EQ(experts, m.expert_bytes);
+    EXPECT_EQ(plan->expert_bytes_total, m.expert_bytes);
+  }
+}
+
 TEST(PartitionTest, FlashAtTheOfficialPrecisionNeedsTwoH200s) {
   const Model m = stored_as(flash_config(), GgmlType::MXFP4, GgmlType::Q8_0);
   auto one = plan_partition(m.config, m.tensors, on_h200s(1));
