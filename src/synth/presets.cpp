@@ -42,7 +42,8 @@ void set_uniform_swiglu(ModelConfig& c, float limit) {
   c.swiglu_limit_shared.assign(c.n_blocks(), limit);
 }
 
-constexpr std::array<std::string_view, 7> kNames = {"tiny", "interop", "small", "flash", "tiny41", "small41", "flash41"};
+constexpr std::array<std::string_view, 8> kNames = {"tiny",   "interop", "small",   "flash",
+                                                     "pro",    "tiny41",  "small41", "flash41"};
 
 // ---- V4.1 (deepseek41) ----
 
@@ -164,6 +165,39 @@ ModelConfig flash_config() {
   c.n_experts = 256;
   c.n_experts_used = 6;
   c.expert_ffn = 2048;
+  c.n_hash_layers = 3;
+  set_uniform_swiglu(c, 10.0f);
+  return c;
+}
+
+// DeepSeek-V4-Pro, spec §1.4 (the official Pro config.json); the vocabulary is Flash's
+// 129,280 (the published model cards list it). No window-only trunk layer: layers 0 and 1
+// are HCA, then CSA on even and HCA on odd layers up to the last (60, CSA).
+ModelConfig pro_config() {
+  ModelConfig c = common_v4();
+  c.name = "DeepSeek-V4-Pro geometry (synthetic)";
+  c.hidden = 7168;
+  c.n_layers = 61;
+  c.context_length = 1048576;
+  c.n_heads = 128;
+  c.head_dim = 512;
+  c.q_lora_rank = 1536;
+  c.o_lora_rank = 1024;
+  c.o_groups = 16;
+  c.sliding_window = 128;
+  c.compress_ratios = {128, 128};
+  for (uint32_t layer = 2; layer < c.n_layers; ++layer)
+    c.compress_ratios.push_back(layer % 2 == 0 ? 4 : 128);
+  c.compress_ratios.push_back(0);  // MTP
+  c.rope.yarn_factor = 16;
+  c.rope.yarn_original_context = 65536;
+  c.index_heads = 64;
+  c.index_head_dim = 128;
+  c.index_topk = 1024;
+  c.n_experts = 384;
+  c.n_experts_used = 6;
+  c.expert_ffn = 3072;
+  c.routed_scale = 2.5f;
   c.n_hash_layers = 3;
   set_uniform_swiglu(c, 10.0f);
   return c;
@@ -295,6 +329,9 @@ Result<Preset> find_preset(std::string_view name) {
   if (name == "flash")
     return Preset{"flash", "DeepSeek-V4-Flash (hidden 4096, 43 layers + MTP, 256 experts)",
                   flash_config(), GgmlType::Q2_K, GgmlType::Q8_0};
+  if (name == "pro")
+    return Preset{"pro", "DeepSeek-V4-Pro (hidden 7168, 61 layers + MTP, 384 experts)",
+                  pro_config(), GgmlType::Q2_K, GgmlType::Q8_0};
   if (name == "tiny41")
     return Preset{"tiny41", "the tiny-v41 fixture's schedule (hidden 256, 7 layers + 3 DSpark), real vocabulary",
                   tiny41_config(), GgmlType::Q8_0, GgmlType::Q8_0};

@@ -1,6 +1,6 @@
 // Built-in model geometries: `tiny` (the fixture's shapes with the real vocabulary; the
-// built-in default model), `small` (a mid-size model for CPU benchmarks) and `flash`
-// (DeepSeek-V4-Flash exactly, spec §1.1); for V4.1 `tiny41`, `small41` and `flash41`
+// built-in default model), `small` (a mid-size model for CPU benchmarks), `flash`
+// (DeepSeek-V4-Flash exactly, spec §1.1) and `pro` (DeepSeek-V4-Pro, §1.4); for V4.1 `tiny41`, `small41` and `flash41`
 // (DeepSeek-V4.1-Flash exactly). `dsv4 synth` and `dsv4 info --preset` use them.
 #pragma once
 
@@ -22,13 +22,14 @@ struct Preset {
   GgmlType default_dense_type;   // every other matrix
 };
 
-std::span<const std::string_view> preset_names();  // "tiny", "small", "flash", "tiny41", ...
+std::span<const std::string_view> preset_names();  // "tiny", "small", "flash", "pro", "tiny41", ...
 Result<Preset> find_preset(std::string_view name);  // error lists the known names
 
 ModelConfig tiny_config();
 ModelConfig interop_config();  // tiny with ratios 0 / 4 / 128 (what llama.cpp accepts)
 ModelConfig small_config();
 ModelConfig flash_config();
+ModelConfig pro_config();  // DeepSeek-V4-Pro (spec §1.4)
 // V4.1 (deepseek41): the tiny-v41 fixture's schedule, a CPU-benchmark size, V4.1-Flash.
 ModelConfig tiny41_config();
 ModelConfig small41_config();

@@ -8,6 +8,7 @@
 
 #include "convert/checkpoint_config.h"
 #include "convert/converter.h"
+#include "synth/presets.h"
 #include "support/test_support.h"
 
 namespace dsv4::convert {
@@ -21,6 +22,7 @@ std::string read_text(const std::filesystem::path& p) {
 }
 
 std::filesystem::path flash_dir() { return test::source_dir() / "tests" / "data" / "deepseek-v4-flash"; }
+std::filesystem::path pro_dir() { return test::source_dir() / "tests" / "data" / "deepseek-v4-pro"; }
 
 TEST(CheckpointConfig, FixtureValues) {
   auto c = read_checkpoint_config(test::fixture_dir() / "checkpoint");
@@ -67,7 +69,7 @@ TEST(CheckpointConfig, FixtureValues) {
 }
 
 TEST(CheckpointConfig, WriterRoundTrips) {
-  for (const auto& dir : {test::fixture_dir() / "checkpoint", flash_dir()}) {
+  for (const auto& dir : {test::fixture_dir() / "checkpoint", flash_dir(), pro_dir()}) {
     SCOPED_TRACE(dir.string());
     auto c = read_checkpoint_config(dir);
     ASSERT_TRUE(c.is_ok()) << c.status().message();
@@ -138,6 +140,42 @@ TEST(CheckpointConfig, FlashPlan) {
       EXPECT_EQ(expert_bytes, uint64_t{m.n_blocks()} * m.n_experts * 3 * (per_matrix / 2 + per_matrix / 32));
     }
     if (std::string(name) == "q2k") EXPECT_LT(plan->total_bytes(), 120'000'000'000u);
+  }
+}
+
+// V4-Pro's config.json (tests/data/deepseek-v4-pro, spec §1.4) reads as the `pro` preset,
+// and its plan: the mxfp4 recipe keeps exactly the FP4 payload; q2k (2-3 bit experts)
+// fits 8 H200s (8 x 139 GiB) and the lossless 4-bit one does too, 8-bit experts do not.
+TEST(CheckpointConfig, ProPlan) {
+  auto config = read_checkpoint_config(pro_dir());
+  ASSERT_TRUE(config.is_ok()) << config.status().message();
+  const ModelConfig& m = config->model;
+  EXPECT_EQ(m.identity(), pro_config().identity());
+  EXPECT_EQ(m.n_blocks(), 62u);
+  EXPECT_FLOAT_EQ(m.routed_scale, 2.5f);
+  const uint64_t eight_h200 = 8 * (139ull << 30);
+  for (const char* name : {"q2k", "q4k", "q8", "mxfp4"}) {
+    SCOPED_TRACE(name);
+    auto plan = plan_conversion(*config, *recipe_by_name(name));
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    uint64_t trunk = 0, expert_bytes = 0;
+    for (const auto& t : plan->tensors) {
+      if (!t.spec.block || *t.spec.block < m.n_layers) ++trunk;
+      EXPECT_EQ(t.type, t.requested) << t.spec.name;
+      if (t.source.layout == SourceLayout::ExpertStack) expert_bytes += t.nbytes;
+    }
+    uint64_t catalog_trunk = 0;
+    for (const auto& t : build_tensor_catalog(m).tensors) catalog_trunk += !t.block || *t.block < m.n_layers;
+    EXPECT_EQ(trunk, catalog_trunk);
+    const uint64_t per_matrix = uint64_t{m.expert_ffn} * m.hidden;
+    if (std::string(name) == "mxfp4") {
+      EXPECT_EQ(expert_bytes, uint64_t{m.n_blocks()} * m.n_experts * 3 * (per_matrix / 2 + per_matrix / 32));
+    }
+    if (std::string(name) == "q8") {
+      EXPECT_GT(plan->total_bytes(), eight_h200);
+    } else {
+      EXPECT_LT(plan->total_bytes(), eight_h200);
+    }
   }
 }
 

@@ -82,6 +82,36 @@ TEST(CatalogTest, FlashShapesInGgmlOrder) {
   EXPECT_EQ(cat.find("blk.42.nextn.eh_proj.weight"), nullptr);
 }
 
+// V4-Pro (spec §1.4): the catalog follows from the config. Its parameter count is the
+// published 1.6 T (1,598.8 B with the MTP block), of which the routed experts are
+// blocks x experts x 3 matrices x width x hidden.
+TEST(CatalogTest, ProCatalogFollowsFromItsConfig) {
+  const ModelConfig c = pro_config();
+  ASSERT_TRUE(c.validate().is_ok()) << c.validate().message();
+  const TensorCatalog cat = build_tensor_catalog(c);
+  uint64_t total = 0, experts = 0;
+  for (const auto& t : cat.tensors) {
+    if (!t.required) continue;
+    total += t.n_elements();
+    if (t.role == TensorRole::RoutedExperts) experts += t.n_elements();
+  }
+  EXPECT_EQ(experts, uint64_t{62} * 384 * 3 * 3072 * 7168);
+  EXPECT_GT(total, 1'550'000'000'000u);
+  EXPECT_LT(total, 1'650'000'000'000u);
+  EXPECT_EQ(get(cat, "blk.0.attn_q_b.weight").ne, (V{1536, 65536}));
+  EXPECT_EQ(get(cat, "blk.0.attn_output_a.weight").ne, (V{4096, 16384}));
+  EXPECT_EQ(get(cat, "blk.0.attn_output_b.weight").ne, (V{16384, 7168}));
+  EXPECT_EQ(get(cat, "blk.7.ffn_gate_exps.weight").ne, (V{7168, 3072, 384}));
+  EXPECT_EQ(get(cat, "blk.0.ffn_gate_tid2eid.weight").ne, (V{6, 129280}));
+  // Layers 0 and 1 are HCA (no window-only trunk layer), layer 2 CSA, the MTP block window-only.
+  EXPECT_EQ(get(cat, "blk.0.attn_compressor_ape.weight").ne, (V{512, 128}));
+  EXPECT_EQ(cat.find("blk.0.indexer.proj.weight"), nullptr);
+  EXPECT_EQ(get(cat, "blk.2.indexer.attn_q_b.weight").ne, (V{1536, 8192}));
+  EXPECT_EQ(get(cat, "blk.60.attn_compressor_ape.weight").ne, (V{1024, 4}));
+  EXPECT_EQ(cat.find("blk.61.attn_compressor_kv.weight"), nullptr);
+  EXPECT_EQ(get(cat, "blk.61.nextn.eh_proj.weight").ne, (V{14336, 7168}));
+}
+
 TEST(CatalogTest, NameHelpersAgreeWithTheCatalog) {
   const TensorCatalog cat = build_tensor_catalog(tiny_config());
   for (const auto& t : cat.tensors) {

@@ -107,6 +107,14 @@ class ConvertCliTest(unittest.TestCase):
         self.assertIn("1359 tensors", r.stdout)
         self.assertIn("fallbacks: none", r.stdout)
 
+    def test_pro_dry_run(self):
+        pro = os.path.join(SOURCE, "tests", "data", "deepseek-v4-pro")
+        r = subprocess.run([CLI, "convert", pro, "--dry-run", "--recipe", "mxfp4"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("1925 tensors", r.stdout)
+        self.assertIn("186 tensors", r.stdout)  # 62 blocks x 3 expert stacks in MXFP4
+        self.assertIn("fallbacks: none", r.stdout)
+
     def test_split_output(self):
         out = os.path.join(self.tmp.name, "split.gguf")
         r = subprocess.run([CLI, "convert", self.ckpt, "-o", out, "--recipe", "bf16", "--split-max-size", "4M"],

@@ -35,6 +35,44 @@ TEST(InfoCliTest, FlashPresetPlan) {
   expect_contains(r.output, "experts q2_K");
 }
 
+// V4-Pro (spec §1.4): its schedule has no window-only trunk layer, and its cache grows by
+// the 9,848 B per token (bf16) the spec computes.
+TEST(InfoCliTest, ProPresetPlan) {
+  const auto r = test::run_command(cli() + " info --preset pro --ctx 1048576");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, "hidden 7168, 61 layers + 1 MTP block");
+  expect_contains(r.output, "0 window, 30 CSA (ratio 4), 31 HCA (ratio 128)");
+  expect_contains(r.output, "HHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHCHC | MTP W");
+  expect_contains(r.output, "384 experts, top-6 + 1 shared, width 3072, 3 hash-routed layers, routed scale 2.5");
+  expect_contains(r.output, "9,848 B");
+  expect_contains(r.output, "indexer             64 heads x 128, top-k 1024");
+}
+
+// The partition plan (model/partition.h) as `info --gpus N` prints it, and its refusal.
+TEST(InfoCliTest, GpuPartitionPlan) {
+  const auto flash = test::run_command(cli() + " info --preset flash --experts mxfp4 --gpus 2");
+  ASSERT_EQ(flash.exit_code, 0) << flash.output;
+  expect_contains(flash.output, "partition over 2 GPUs (139.00 GiB usable each");
+  expect_contains(flash.output, "256 experts per layer over 2 GPUs");
+  expect_contains(flash.output, "128-255 (128)");
+  expect_contains(flash.output, "the cheaper exchange: all-gather + reduce-scatter");
+  expect_contains(flash.output, "fits: yes");
+  const auto one = test::run_command(cli() + " info --preset flash --experts mxfp4 --gpus 1");
+  EXPECT_NE(one.exit_code, 0) << one.output;
+  expect_contains(one.output, "does not fit 1 GPU: GPU 0 needs");
+  const auto pro = test::run_command(cli() + " info --preset pro --experts q8_0 --gpus 8 --ctx 65536");
+  EXPECT_NE(pro.exit_code, 0) << pro.output;
+  expect_contains(pro.output, "336-383 ( 48)");
+  expect_contains(pro.output, "does not fit 8 GPUs");
+  expect_contains(pro.output, "more than its usable 139.00 GiB");
+  const auto pro4 = test::run_command(cli() + " info --preset pro --experts q4_K --gpus 8 --gpu-memory 80");
+  EXPECT_NE(pro4.exit_code, 0) << pro4.output;
+  expect_contains(pro4.output, "usable 80.00 GiB");
+  const auto many = test::run_command(cli() + " info --preset tiny --gpus 9");
+  EXPECT_NE(many.exit_code, 0) << many.output;
+  expect_contains(many.output, "more GPUs than the 8 routed experts");
+}
+
 TEST(InfoCliTest, PresetOptions) {
   const auto r = test::run_command(cli() + " info --preset flash --layers 4 --experts q4_K --ctx 4096");
   ASSERT_EQ(r.exit_code, 0) << r.output;

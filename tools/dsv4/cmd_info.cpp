@@ -20,6 +20,7 @@
 #include "model/config.h"
 #include "model/kv_graft.h"
 #include "model/model_files.h"
+#include "model/partition.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
 #include "model/tensor_catalog.h"
@@ -37,6 +38,11 @@ struct InfoOptions {
   std::string dense_type;
   std::string kv_graft;  // --kv-graft FILE: describe a bank instead
   std::string model;     // -m: with --kv-graft, the model it must fit
+  uint32_t gpus = 0;              // 0: no partition plan
+  double gpu_memory_gib = 139;    // usable per GPU (an H200's 141 GB less the driver's share)
+  double gpu_reserve_gib = 4;     // per GPU: activations, workspace, graphs
+  uint32_t sequences = 1;
+  std::string dense_parallel = "auto";
 };
 
 std::string with_commas(uint64_t n) {
@@ -292,12 +298,74 @@ uint64_t engram_row_bytes_of(const std::vector<TensorEntry>& tensors, const Mode
   return 0;
 }
 
+// The plan over --gpus N GPUs (model/partition.h); false when it does not fit.
+bool print_partition(const ModelConfig& c, const std::vector<PlacedTensor>& tensors, const InfoOptions& o,
+                     uint64_t ctx) {
+  PartitionOptions po;
+  po.gpus.count = o.gpus;
+  po.gpus.usable_bytes = static_cast<uint64_t>(o.gpu_memory_gib * (1ull << 30));
+  po.gpus.reserve_bytes = static_cast<uint64_t>(o.gpu_reserve_gib * (1ull << 30));
+  po.context_tokens = ctx;
+  po.sequences = o.sequences;
+  if (o.dense_parallel == "replicated") po.mode = DenseMode::Replicated;
+  if (o.dense_parallel == "tensor") po.mode = DenseMode::TensorParallel;
+  auto plan = plan_partition(c, tensors, po);
+  if (!plan.is_ok()) {
+    fmt::print(stderr, "dsv4 info: {}\n", plan.status().message());
+    return false;
+  }
+  auto hb = [](uint64_t x) { return human_bytes(static_cast<double>(x)); };
+  const uint32_t n = o.gpus;
+  fmt::print("partition over {} GPU{} ({} usable each, {} reserved for activations), {} sequence{} of {} tokens:\n",
+             n, n == 1 ? "" : "s", hb(po.gpus.usable_bytes), hb(po.gpus.reserve_bytes), o.sequences,
+             o.sequences == 1 ? "" : "s", with_commas(ctx));
+  fmt::print("  routed experts      expert-parallel: {} experts per layer over {} GPUs, {} in all\n",
+             c.n_experts, n, hb(plan->expert_bytes_total));
+  fmt::print("  other weights       {} ({} in all, {} of it split by tensor parallelism: attn_q_b, "
+             "attn_output_a/b, shared expert, embedding and head)\n", dense_mode_name(plan->mode),
+             hb(plan->dense_bytes_total), hb(plan->split_bytes_total));
+  fmt::print("  KV cache            {} per sequence; {}\n", hb(plan->cache_bytes_per_sequence),
+             plan->mode == DenseMode::Replicated ? "each sequence on the GPU that runs its attention"
+                                                 : "every sequence on every GPU (one latent KV head for all heads)");
+  fmt::print("    GPU  experts        expert bytes    weights        cache          total\n");
+  for (size_t i = 0; i < plan->gpus.size(); ++i) {
+    const GpuShare& g = plan->gpus[i];
+    fmt::print("    {:>3}  {:>3}-{:<3} ({:>3})  {:>12}  {:>12}  {:>12}  {:>12}\n", i, g.first_expert,
+               g.first_expert + g.n_experts - 1, g.n_experts, hb(g.expert_bytes), hb(g.dense_bytes),
+               hb(g.cache_bytes), hb(g.total()));
+  }
+  const TokenTraffic& t = plan->per_layer;
+  const uint64_t layers = plan->moe_layers;
+  fmt::print("  traffic per token, bytes over all links (per MoE layer / over the {} MoE layers):\n", layers);
+  fmt::print("    all-to-all dispatch + combine (bf16)            {:>10} / {:>12}\n", with_commas(t.all_to_all()),
+             with_commas(t.all_to_all() * layers));
+  fmt::print("    all-gather (bf16) + reduce-scatter (fp32)       {:>10} / {:>12}\n", with_commas(t.gather_scatter()),
+             with_commas(t.gather_scatter() * layers));
+  if (plan->mode == DenseMode::TensorParallel)
+    fmt::print("    tensor-parallel all-reduce (fp32, per block)    {:>10} / {:>12}\n", with_commas(t.tp_all_reduce),
+               with_commas(t.tp_all_reduce * c.n_blocks()));
+  fmt::print("    decode batch b moves b times these; a prefill chunk of P tokens P times; the cheaper exchange: {}\n",
+             n == 1 ? "none (one GPU)"
+                    : t.gather_scatter() < t.all_to_all() ? "all-gather + reduce-scatter" : "all-to-all");
+  fmt::print("  batch-1 decode step estimate: {:.2f} ms replicated, {:.2f} ms tensor-parallel (bytes at HBM "
+             "bandwidth + {:.0f} us per collective)\n", plan->decode_step_s_replicated * 1e3,
+             plan->decode_step_s_tensor_parallel * 1e3, po.gpus.collective_latency_s * 1e6);
+  if (plan->fits) {
+    fmt::print("  fits: yes (largest GPU {} + reserve, of {})\n", hb(plan->max_gpu_bytes()), hb(po.gpus.usable_bytes));
+    return true;
+  }
+  fmt::print("  fits: no\n");
+  fmt::print(stderr, "dsv4 info: does not fit {} GPU{}: {}\n", n, n == 1 ? "" : "s", plan->why_not);
+  return false;
+}
+
 int report_error(const Status& s) {
   fmt::print(stderr, "dsv4 info: {}\n", s.message());
   return kExitFailure;
 }
 
-int info_for_file(const std::string& path, const std::string& mtp_path, uint64_t ctx) {
+int info_for_file(const std::string& path, const std::string& mtp_path, const InfoOptions& o) {
+  const uint64_t ctx = o.ctx;
   ModelFilesOptions fo;
   fo.open.map_data = false;
   fo.mtp_path = mtp_path;
@@ -338,7 +406,14 @@ int info_for_file(const std::string& path, const std::string& mtp_path, uint64_t
   fmt::print("catalog check: {}\n", check.is_ok() ? "ok" : check.message());
   print_memory_plan(config, weight_bytes - engram_bytes(entries), ctx ? ctx : config.context_length);
   print_engram_plan(config, engram_bytes(entries), engram_row_bytes_of(entries, config));
-  return check.is_ok() ? kExitOk : kExitFailure;
+  if (!check.is_ok()) return kExitFailure;
+  if (o.gpus) {
+    std::vector<PlacedTensor> placed;
+    for (const auto& t : files->tensors())
+      if (const TensorSpec* spec = catalog.find(t.name)) placed.push_back({spec, t.nbytes});
+    if (!print_partition(config, placed, o, ctx ? ctx : config.context_length)) return kExitFailure;
+  }
+  return kExitOk;
 }
 
 int info_for_preset(const InfoOptions& o) {
@@ -362,15 +437,18 @@ int info_for_preset(const InfoOptions& o) {
   print_config(config);
   const TensorCatalog catalog = build_tensor_catalog(config);
   std::vector<TensorEntry> entries;
+  std::vector<PlacedTensor> placed;
   for (const TensorSpec* spec : synth_tensor_list(catalog)) {
     const GgmlType type = synth_tensor_type(*spec, experts, dense, nullptr);
     entries.push_back({spec->name, type, *stored_bytes(*spec, type), spec->role});
+    placed.push_back({spec, entries.back().nbytes});
   }
   fmt::print("as `dsv4 synth` writes it (experts {}, other matrices {}):\n", ggml_type_name(experts),
              ggml_type_name(dense));
   const uint64_t weight_bytes = print_tensors(entries, catalog.n_required());
   print_memory_plan(config, weight_bytes - engram_bytes(entries), o.ctx ? o.ctx : config.context_length);
   print_engram_plan(config, engram_bytes(entries), engram_row_bytes_of(entries, config));
+  if (o.gpus && !print_partition(config, placed, o, o.ctx ? o.ctx : config.context_length)) return kExitFailure;
   return kExitOk;
 }
 
@@ -436,11 +514,11 @@ int run_info(const InfoOptions& o) {
     fmt::print(stderr, "dsv4 info: --layers, --experts and --dense apply to --preset only\n");
     return kExitUsage;
   }
-  if (!o.file.empty()) return info_for_file(o.file, o.mtp, o.ctx);
+  if (!o.file.empty()) return info_for_file(o.file, o.mtp, o);
   auto builtin = ensure_builtin_model([](std::string_view line) { fmt::print(stderr, "dsv4: {}\n", line); });
   if (!builtin.is_ok()) return report_error(builtin.status());
   fmt::print("built-in model (no FILE given)\n");
-  return info_for_file(builtin->string(), o.mtp, o.ctx);
+  return info_for_file(builtin->string(), o.mtp, o);
 }
 
 }  // namespace
@@ -449,7 +527,7 @@ void register_info(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<InfoOptions>();
   app.add_option("file", o->file, "GGUF model file (any part of a split set); default: the built-in model");
   app.add_option("--mtp", o->mtp, "MTP sidecar of a trunk-only file (default: mtp-*.gguf found next to it)");
-  app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, interop, small, flash, tiny41, small41, flash41");
+  app.add_option("--preset", o->preset, "describe a preset instead of a file: tiny, interop, small, flash, pro, tiny41, small41, flash41");
   app.add_option("--ctx", o->ctx, "tokens per sequence for the cache plan (default: training context)")
       ->check(CLI::PositiveNumber);
   app.add_option("--layers", o->layers, "with --preset: keep the first N layers")->check(CLI::PositiveNumber);
@@ -459,6 +537,16 @@ void register_info(CLI::App& app, CommandRunner& run) {
       ->check(CLI::ExistingFile);
   app.add_option("-m,--model", o->model, "with --kv-graft: also check that the bank fits this model")
       ->check(CLI::ExistingFile);
+  app.add_option("--gpus", o->gpus, "print the partition plan over N GPUs (experts, weights, cache, traffic)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--gpu-memory", o->gpu_memory_gib, "with --gpus: usable memory per GPU in GiB")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--gpu-reserve", o->gpu_reserve_gib, "with --gpus: GiB per GPU kept for activations and workspace")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--sequences", o->sequences, "with --gpus: sequences of --ctx tokens to hold")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--dense-parallel", o->dense_parallel, "with --gpus: auto, replicated or tensor")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "replicated", "tensor"}));
   run = [o] { return run_info(*o); };
 }
 

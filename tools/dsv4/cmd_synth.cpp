@@ -131,7 +131,7 @@ int run_synth(const SynthCliOptions& o) {
 
 void register_synth(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<SynthCliOptions>();
-  app.add_option("--preset", o->preset, "geometry: tiny, small, flash, tiny41, small41, flash41")->required();
+  app.add_option("--preset", o->preset, "geometry: tiny, small, flash, pro, tiny41, small41, flash41")->required();
   app.add_option("--layers", o->layers, "keep only the first N trunk layers (and the MTP block)")
       ->check(CLI::PositiveNumber);
   auto* experts = app.add_option("--experts", o->expert_type, "routed-expert type, e.g. q2_K, q4_K, q8_0, mxfp4");
