@@ -42,7 +42,7 @@ F32_BOUND, F32_SAME = 2e-3, 0.99
 # that noise flips near-tied expert choices, so that comparison is printed, not bounded.
 QUANT_TYPES = {
     "Q6_K": False, "Q5_K_M": False, "Q4_K_M": False, "Q5_0": False, "Q4_0": False,
-    "IQ4_NL": False, "IQ4_XS": False, "IQ3_S": False, "IQ3_XXS": False,
+    "IQ4_NL": False, "IQ4_XS": False, "IQ3_S": False, "IQ3_XXS": True,
     "IQ2_S": True, "IQ2_XS": True, "IQ1_M": True, "IQ1_S": True,
 }
 
