@@ -213,6 +213,12 @@ Status Model::restore(Sequence& seq, const SequenceSnapshot& snap) const {
   return cache_->restore(seq, *snap.state_);
 }
 
+Status Model::restore_mtp(Sequence& seq, const SequenceSnapshot& snap) const {
+  if (seq.cache_ != cache_.get()) return Status::error("restore_mtp: the sequence belongs to another model");
+  if (!snap.valid()) return Status::error("restore_mtp: an empty snapshot");
+  return cache_->restore_mtp(seq, *snap.state_);
+}
+
 Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, ForwardTrace* trace) const {
   if (batch.empty()) return Status::error("forward: empty batch");
   const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
@@ -423,7 +429,8 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
   return Status::ok();
 }
 
-Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace) const {
+Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace,
+                                      std::vector<float>* streams_out) const {
   if (!has_mtp()) return Status::error("mtp: the model has no MTP block");
   if (batch.empty()) return Status::error("mtp: empty batch");
   const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
@@ -461,6 +468,10 @@ Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTra
   DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.mtp_input(bw, main_streams, step));
   DSV4_TRY(fp.block(plan_.layers[b], streams, step));
   for (const StepItem& it : step.items) it.seq->mtp_position_ += it.n;
+  if (streams_out) {
+    streams_out->resize(static_cast<size_t>(step.rows.n * width));
+    DSV4_TRY(backend_->download(streams, streams_out->data(), streams_out->size() * sizeof(float)));
+  }
   DSV4_ASSIGN_OR_RETURN(Tensor logits, fp.head(bw.hc_head, bw.head_norm, bw.head, streams));
   std::vector<float> host(step.rows.n * config_.vocab_size);
   DSV4_TRY(backend_->download(logits, host.data(), host.size() * sizeof(float)));
