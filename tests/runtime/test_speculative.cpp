@@ -12,6 +12,7 @@
 //     distributions and on the model.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -254,6 +255,37 @@ TEST_F(Speculative, ForcedDraftsReachFullAndHalfAcceptance) {
     EXPECT_EQ(greedy_speculative(prompt, 60, half, &stats), std::vector<int32_t>(want.begin(), want.begin() + 60));
     EXPECT_GT(stats.acceptance(), 0.2);
     EXPECT_LT(stats.acceptance(), 0.8);
+  }
+}
+
+// Three sequences in every step, each with its own k (changing from step to step, 0..4)
+// and its own acceptance (one with agreeing forced drafts would need per-sequence forcing,
+// so all draft with the MTP block): each equals its own plain greedy run.
+TEST_F(Speculative, BatchedSequencesKeepTheirOwnKAndOutput) {
+  const std::vector<std::vector<int32_t>> prompts{tokens(9, 20), tokens(16, 21), tokens(27, 22)};
+  const size_t n = 30;
+  SpeculativeDecoder dec(*model_, fixed_k(4));
+  std::vector<std::unique_ptr<Sequence>> owned;
+  std::vector<SpecSequence> state(prompts.size());
+  std::vector<SpecSequence*> batch;
+  std::vector<std::vector<int32_t>> got(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    owned.push_back(sequence());
+    state[i].sequence = owned.back().get();
+    auto first = dec.start(state[i], prompts[i]);
+    ASSERT_TRUE(first.is_ok()) << first.status().message();
+    got[i].push_back(*first);
+    batch.push_back(&state[i]);
+  }
+  std::vector<std::vector<int32_t>> emitted;
+  for (int step = 0; std::any_of(got.begin(), got.end(), [&](const auto& g) { return g.size() < n; }); ++step) {
+    for (size_t i = 0; i < state.size(); ++i) state[i].k = static_cast<int>((step + 2 * i) % 5);
+    ASSERT_TRUE(dec.step(batch, emitted).is_ok());
+    for (size_t i = 0; i < state.size(); ++i) got[i].insert(got[i].end(), emitted[i].begin(), emitted[i].end());
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    got[i].resize(n);
+    EXPECT_EQ(got[i], greedy_reference(prompts[i], n)) << "sequence " << i;
   }
 }
 
