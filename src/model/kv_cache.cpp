@@ -462,6 +462,26 @@ Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
   return Status::ok();
 }
 
+Status KvCache::restore_mtp(Sequence& seq, const SlotSnapshot& snap) {
+  if (snap.rings.size() != rings_.size() || snap.context != seq.plan_.context)
+    return Status::errorf("cache restore: a snapshot of a sequence of context {} does not fit one of context {}",
+                          snap.context, seq.plan_.context);
+  if (snap.mtp_position > seq.mtp_position_ || snap.position > seq.position_)
+    return Status::errorf(StatusCode::kOutOfRange,
+                          "cache restore: snapshot at MTP position {} does not fit a sequence at MTP position {}",
+                          snap.mtp_position, seq.mtp_position_);
+  for (const LayerPlan& l : plan_.layers) {
+    if (!l.mtp) continue;
+    if (l.ratio)  // no such checkpoint: V4's MTP blocks attend over their window only
+      return Status::error("cache restore: an MTP block with a compressor is not rewound separately");
+    if (l.ring < 0) continue;
+    DSV4_TRY(be_.upload(rings_[l.ring].slice(seq.slot_ * window_, window_), snap.rings[l.ring].data(),
+                        snap.rings[l.ring].size() * sizeof(float)));
+  }
+  seq.mtp_position_ = snap.mtp_position;
+  return Status::ok();
+}
+
 }  // namespace dsv4
 
 namespace dsv4 {

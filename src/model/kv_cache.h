@@ -86,6 +86,8 @@ class KvCache {
   Result<SlotSnapshot> snapshot(const Sequence& seq);
   // Rewinds seq to the snapshot: rings and states restored, rows past it released.
   Status restore(Sequence& seq, const SlotSnapshot& snap);
+  // Restores only the MTP blocks' rings and the MTP position (snap at or below it).
+  Status restore_mtp(Sequence& seq, const SlotSnapshot& snap);
 
   // seq's whole state as bytes: a header naming the cache's shape and the position, then
   // every ring and compressor state of its slot and every row its lists hold. A grafted

@@ -239,6 +239,12 @@ Result<std::vector<std::vector<float>>> Model::gather_engram(const std::vector<S
   return rows;
 }
 
+Status Model::restore_mtp(Sequence& seq, const SequenceSnapshot& snap) const {
+  if (seq.cache_ != cache_.get()) return Status::error("restore_mtp: the sequence belongs to another model");
+  if (!snap.valid()) return Status::error("restore_mtp: an empty snapshot");
+  return cache_->restore_mtp(seq, *snap.state_);
+}
+
 Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, ForwardTrace* trace) const {
   if (batch.empty()) return Status::error("forward: empty batch");
   ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
@@ -464,7 +470,8 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
   return Status::ok();
 }
 
-Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace) const {
+Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTrace* trace,
+                                      std::vector<float>* streams_out) const {
   if (!has_mtp()) return Status::error("mtp: the model has no MTP block");
   if (config_.is_v41())
     return Status::error("mtp: the V4.1 DSpark draft stages are not implemented in this build (the trunk is)");
@@ -504,6 +511,10 @@ Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTra
   DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.mtp_input(bw, main_streams, step));
   DSV4_TRY(fp.block(plan_.layers[b], streams, step));
   for (const StepItem& it : step.items) it.seq->mtp_position_ += it.n;
+  if (streams_out) {
+    streams_out->resize(static_cast<size_t>(step.rows.n * width));
+    DSV4_TRY(backend_->download(streams, streams_out->data(), streams_out->size() * sizeof(float)));
+  }
   DSV4_ASSIGN_OR_RETURN(Tensor logits, fp.head(bw.hc_head, bw.head_norm, bw.head, streams));
   std::vector<float> host(step.rows.n * config_.vocab_size);
   DSV4_TRY(backend_->download(logits, host.data(), host.size() * sizeof(float)));

@@ -150,8 +150,11 @@ class Model {
   Status forward(std::span<const BatchItem> batch, ForwardOutput& out,
                  ForwardTrace* trace = nullptr) const;
 
-  // Draft logits of the MTP block, one row per input position: [n, vocab].
-  Result<std::vector<float>> mtp(std::span<const MtpItem> batch, ForwardTrace* trace = nullptr) const;
+  // Draft logits of the MTP block, one row per input position: [n, vocab]. With
+  // `streams_out`, also the block's output streams per row ([n, hc_mult * hidden]), the
+  // input of a chained draft (speculative decoding, runtime/speculative.h).
+  Result<std::vector<float>> mtp(std::span<const MtpItem> batch, ForwardTrace* trace = nullptr,
+                                 std::vector<float>* streams_out = nullptr) const;
 
   // An independent copy of seq's whole state (same position; later forwards on either do
   // not affect the other), charged to the same budget; compressed rows are shared until
@@ -164,6 +167,10 @@ class Model {
   // rewound past it since) to the snapshot's state exactly: the continuation is
   // bit-identical to a sequence that never went further.
   Status restore(Sequence& seq, const SequenceSnapshot& snap) const;
+  // Rewinds only the MTP blocks' part of seq (their window rings and the MTP position) to
+  // the snapshot, which must be at or below seq's MTP position; the trunk is untouched
+  // (speculative decoding drops its chained drafts' MTP rows this way).
+  Status restore_mtp(Sequence& seq, const SequenceSnapshot& snap) const;
 
   // Benchmarks only: moves an empty sequence to `position` without computing anything, so
   // later steps cost what they cost at that context depth: its cache pages through

@@ -81,6 +81,10 @@ Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const
   if (footprint_ + prompt.size() >= max_context_)
     return Status::errorf("generate: the prompt has {} tokens{}; the context holds {} (--ctx)", prompt.size(),
                           footprint_ ? fmt::format(" after the KV graft's {}", footprint_) : "", max_context_);
+  if (o.spec < 0 || o.spec > 4) return Status::errorf("generate: spec = {} drafts per step must be 0..4", o.spec);
+  if (o.spec > 0 && footprint_)
+    return Status::error("generate: speculative decoding does not take a KV graft in this build");
+  if (o.spec > 0) return generate_speculative(prompt, o, on_text, cancel);
 
   GenerateStats stats;
   stats.prompt_tokens = static_cast<int64_t>(prompt.size());
@@ -161,6 +165,101 @@ Result<GenerateStats> Generator::generate(std::span<const int32_t> prompt, const
     if (!matched) emit(stops.flush());
   }
   stats.decode_seconds = seconds_since(t1);
+  return stats;
+}
+
+// The same loop over the tokens of speculative steps (1 .. k + 1 each); every stop rule
+// applies per token, and tokens after a stop are dropped.
+Result<GenerateStats> Generator::generate_speculative(std::span<const int32_t> prompt, const GenerateOptions& o,
+                                                      const std::function<void(std::string_view)>& on_text,
+                                                      const std::atomic<bool>* cancel) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  if (!model_.has_mtp())
+    return Status::error("generate: speculative decoding (--spec) needs a model with an MTP block (--mtp FILE "
+                         "for a trunk-only model)");
+  reset();  // the MTP block needs the streams of every prompt token: no reuse
+  SequenceOptions so;
+  so.max_context = max_context_;
+  so.with_mtp = true;
+  DSV4_ASSIGN_OR_RETURN(seq_, model_.new_sequence(so));
+  SpecOptions spec_options;
+  spec_options.max_k = o.spec;
+  SpeculativeDecoder decoder(model_, spec_options);
+  SpecSequence s;
+  s.sequence = seq_.get();
+  s.sampler = Sampler(o.sampling);
+
+  GenerateStats stats;
+  stats.prompt_tokens = stats.prefilled_tokens = static_cast<int64_t>(prompt.size());
+  const auto t0 = Clock::now();
+  auto first = decoder.start(s, prompt);
+  if (!first.is_ok()) {
+    reset();
+    return first.status();
+  }
+  stats.prefill_seconds = seconds_since(t0);
+
+  text::StreamDecoder text_decoder(tokenizer_);
+  StopStringMatcher stops(o.stop_strings);
+  auto emit = [&](std::string_view text) {
+    if (!text.empty() && on_text) on_text(text);
+  };
+  const auto t1 = Clock::now();
+  std::vector<int32_t> chunk{*first};
+  std::vector<std::vector<int32_t>> emitted;
+  bool done = o.max_tokens == 0;
+  if (done) stats.finish = FinishReason::kLength;
+  while (!done) {
+    for (int32_t token : chunk) {
+      if (cancel && cancel->load()) {
+        stats.finish = FinishReason::kCancelled;
+        done = true;
+        break;
+      }
+      ++stats.generated_tokens;
+      if (token == tokenizer_.eos_id() ||
+          std::find(o.stop_tokens.begin(), o.stop_tokens.end(), token) != o.stop_tokens.end()) {
+        stats.finish = token == tokenizer_.eos_id() ? FinishReason::kEos : FinishReason::kStopToken;
+        stats.stop_token = token;
+        done = true;
+        break;
+      }
+      stats.tokens.push_back(token);
+      bool matched = false;
+      emit(stops.push(text_decoder.push(token), matched));
+      if (matched) {
+        stats.finish = FinishReason::kStopString;
+        done = true;
+        break;
+      }
+      if (stats.generated_tokens >= o.max_tokens) {
+        stats.finish = FinishReason::kLength;
+        done = true;
+        break;
+      }
+      if (prompt.size() + stats.tokens.size() >= max_context_) {  // as the plain loop
+        stats.finish = FinishReason::kContextFull;
+        done = true;
+        break;
+      }
+    }
+    if (done) break;
+    SpecSequence* one = &s;
+    if (Status st = decoder.step(std::span<SpecSequence* const>(&one, 1), emitted); !st) {
+      reset();
+      return st;
+    }
+    chunk = emitted[0];
+  }
+  if (stats.finish != FinishReason::kStopString) {
+    bool matched = false;
+    emit(stops.push(text_decoder.flush(), matched));
+    if (!matched) emit(stops.flush());
+  }
+  stats.decode_seconds = seconds_since(t1);
+  stats.spec = s.stats;
+  reset();  // the cache may hold tokens past a stop
   return stats;
 }
 

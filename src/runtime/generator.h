@@ -18,6 +18,7 @@
 
 #include "model/model.h"
 #include "runtime/sampler.h"
+#include "runtime/speculative.h"
 #include "text/tokenizer.h"
 #include "util/status.h"
 
@@ -28,6 +29,9 @@ struct GenerateOptions {
   int64_t max_tokens = 2048;               // generated tokens, EOS not counted
   std::vector<std::string> stop_strings;   // cut from the output when matched
   std::vector<int32_t> stop_tokens;        // besides EOS, which always stops
+  // MTP speculative decoding (speculative.h): at most this many drafts per step, adaptive;
+  // 0 = off. Needs a model with an MTP block. The cache is not kept between calls then.
+  int spec = 0;
 };
 
 enum class FinishReason { kEos, kStopToken, kStopString, kLength, kContextFull, kCancelled };
@@ -42,6 +46,7 @@ struct GenerateStats {
   FinishReason finish = FinishReason::kEos;
   int32_t stop_token = -1;          // the token that stopped it (EOS or a stop token)
   std::vector<int32_t> tokens;      // the generated tokens, the stop token excluded
+  SpecStats spec;                   // speculative decoding's counters (spec > 0)
 
   double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prefilled_tokens / prefill_seconds : 0; }
   double decode_tokens_per_second() const { return decode_seconds > 0 ? generated_tokens / decode_seconds : 0; }
@@ -68,6 +73,9 @@ class Generator {
   const std::vector<int32_t>& cached_tokens() const { return cached_; }
 
  private:
+  Result<GenerateStats> generate_speculative(std::span<const int32_t> prompt, const GenerateOptions& options,
+                                             const std::function<void(std::string_view)>& on_text,
+                                             const std::atomic<bool>* cancel);
   const Model& model_;
   const text::Tokenizer& tokenizer_;
   uint64_t max_context_;

@@ -72,6 +72,25 @@ TEST(RunCliTest, NothinkGreedyAndLimits) {
   }
 }
 
+// --spec: greedy output identical to plain greedy; the JSON reports the acceptance.
+TEST(RunCliTest, SpecKeepsGreedyOutputAndReportsAcceptance) {
+  const auto plain = run_json("-p 'Hi' --raw --temp 0 -n 24 --seed 1");
+  const auto spec = run_json("-p 'Hi' --raw --temp 0 -n 24 --seed 1 --spec 3");
+  EXPECT_EQ(plain["content"], spec["content"]);
+  EXPECT_EQ(plain["generated_tokens"], spec["generated_tokens"]);
+  EXPECT_FALSE(plain.contains("speculative"));
+  ASSERT_TRUE(spec.contains("speculative"));
+  EXPECT_EQ(spec["speculative"]["max_drafts"], 3);
+  EXPECT_GT(spec["speculative"]["steps"].get<int>(), 0);
+  const double acceptance = spec["speculative"]["acceptance"];
+  EXPECT_GE(acceptance, 0.0);
+  EXPECT_LE(acceptance, 1.0);
+  int rc = -1;
+  const std::string bad = run("-p 'Hi' --spec 5 2>&1", &rc);
+  EXPECT_NE(rc, 0);
+  expect_contains(bad, "--spec");
+}
+
 TEST(RunCliTest, StopStringCutsTheOutput) {
   const auto full = run_json("--raw -p 'The' --temp 0 -n 24");
   const std::string content = full["content"];

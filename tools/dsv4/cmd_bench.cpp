@@ -8,6 +8,12 @@
 //   aggregate  B sequences at depth D stepping together: tokens/s over all of them against
 //              the same byte bound (the distinct experts B tokens touch, every sequence's
 //              cache).
+//   spec       (opt-in; models with an MTP block) the parts of MTP speculative decoding at
+//              batch 1 and each --batches B, depth --batch-depth: a plain decode step, a
+//              verify step of k + 1 rows per sequence (k = 1..4), one MTP draft pass, a
+//              snapshot + restore (the rollback's copies); from them the speedup at each
+//              acceptance rate and the break-even acceptance (random weights make measured
+//              acceptance meaningless, so it is modelled).
 // Depth comes from a synthetic fill (Model::fill_for_benchmark: random cache contents, as
 // costly to read as real ones) or a real prefill. Times are the backend's timing points
 // (CUDA events on the GPU, the host clock on the CPU) after warm-up, the median of repeats.
@@ -19,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <span>
@@ -263,6 +270,102 @@ class Bench {
   }
 
   uint64_t extra_steps() const { return static_cast<uint64_t>(o_.warmup + o_.repeats * o_.steps); }
+  // Plain steps, then verify steps of 2, 3, 4 and 5 rows, each run `extra` times.
+  static uint64_t spec_extra(uint64_t extra) { return extra * 15 + 16; }
+
+  // Median ms of `fn` over the repeats, after warm-up, per call.
+  Result<double> time_per_call(const std::function<Status()>& fn) {
+    for (int w = 0; w < o_.warmup; ++w) DSV4_TRY(fn());
+    std::vector<double> times;
+    for (int r = 0; r < o_.repeats; ++r) {
+      DSV4_ASSIGN_OR_RETURN(auto t0, be_.time_point());
+      for (int s = 0; s < o_.steps; ++s) DSV4_TRY(fn());
+      DSV4_ASSIGN_OR_RETURN(auto t1, be_.time_point());
+      DSV4_ASSIGN_OR_RETURN(double ms, be_.elapsed_ms(t0, t1));
+      times.push_back(ms / o_.steps);
+    }
+    return median(times);
+  }
+
+  // The parts of a speculative step for `sequences` sequences at `depth` (see the top).
+  Status spec(int64_t sequences, int64_t depth) {
+    const ModelConfig& c = model_.config();
+    if (!model_.has_mtp()) return Status::error("bench: --parts spec needs a model with an MTP block");
+    const uint64_t context = static_cast<uint64_t>(depth) + spec_extra(extra_steps());
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    for (int64_t i = 0; i < sequences; ++i) {
+      SequenceOptions so = context_of(context);
+      so.with_mtp = true;
+      DSV4_ASSIGN_OR_RETURN(auto seq, model_.new_sequence(so));
+      DSV4_TRY(model_.fill_for_benchmark(*seq, depth, mix_keys(o_.seed, static_cast<uint64_t>(i) + 1)));
+      seqs.push_back(std::move(seq));
+    }
+    const SampleSpec greedy{.temperature = 0, .adjust = {}};
+    std::vector<int32_t> tokens = random_tokens(mix_keys(o_.seed, 0x59ec), sequences * 5, c.vocab_size);
+    std::vector<BatchItem> items(static_cast<size_t>(sequences));
+    ForwardOutput out;
+    const auto forward_rows = [&](int64_t rows) -> Status {
+      for (int64_t i = 0; i < sequences; ++i)
+        items[i] = rows == 0 ? BatchItem{seqs[i].get(), std::span<const int32_t>(&tokens[i * 5], 1), false, false, &greedy}
+                             : BatchItem{seqs[i].get(), std::span<const int32_t>(&tokens[i * 5], rows), true, true};
+      return model_.forward(items, out);
+    };
+    DSV4_ASSIGN_OR_RETURN(double plain_ms, time_per_call([&] { return forward_rows(0); }));
+    std::vector<double> verify_ms;
+    for (int k = 1; k <= 4; ++k) {
+      DSV4_ASSIGN_OR_RETURN(double ms, time_per_call([&] { return forward_rows(k + 1); }));
+      verify_ms.push_back(ms);
+    }
+    const int64_t width = int64_t{c.hc_mult} * c.hidden;
+    std::vector<float> streams(static_cast<size_t>(sequences * width));
+    for (size_t i = 0; i < streams.size(); ++i) streams[i] = static_cast<float>(unit_double(splitmix64(i)) - 0.5);
+    std::vector<MtpItem> drafts;
+    for (int64_t i = 0; i < sequences; ++i)
+      drafts.push_back({seqs[i].get(), std::span<const float>(streams).subspan(i * width, width),
+                        std::span<const int32_t>(&tokens[i * 5], 1)});
+    DSV4_ASSIGN_OR_RETURN(double draft_ms, time_per_call([&] { return model_.mtp(drafts).status(); }));
+    DSV4_ASSIGN_OR_RETURN(double rollback_ms, time_per_call([&]() -> Status {
+      for (auto& seq : seqs) {
+        DSV4_ASSIGN_OR_RETURN(SequenceSnapshot snap, model_.snapshot(*seq));
+        DSV4_TRY(model_.restore(*seq, snap));
+      }
+      return Status::ok();
+    }));
+
+    // A step at k drafts and acceptance a: E = (1 - a^(k+1)) / (1 - a) tokens for a verify,
+    // k draft passes, a snapshot + restore, and (when a draft fails, 1 - a^k) a replay,
+    // costed as a plain step.
+    const auto speedup = [&](int k, double a) {
+      const double tokens_per_step = a >= 1.0 ? k + 1.0 : (1.0 - std::pow(a, k + 1)) / (1.0 - a);
+      const double step = verify_ms[k - 1] + k * draft_ms + rollback_ms + (1.0 - std::pow(a, k)) * plain_ms;
+      return tokens_per_step * plain_ms / step;
+    };
+    const std::string name = fmt::format("spec B={} D={}", sequences, depth);
+    report(name + " plain step", plain_ms, "ms", 1.0, "a decode step (graph path where the backend records graphs)");
+    report(name + " draft", draft_ms, "ms", draft_ms / plain_ms, "one MTP pass, one row per sequence");
+    report(name + " rollback copies", rollback_ms, "ms", rollback_ms / plain_ms, "snapshot + restore of every sequence");
+    Json per_k = Json::array();
+    for (int k = 1; k <= 4; ++k) {
+      double break_even = -1;
+      for (int a = 0; a <= 100 && break_even < 0; ++a)
+        if (speedup(k, a / 100.0) >= 1.0) break_even = a / 100.0;
+      Json by_acceptance = Json::object();
+      std::string line;
+      for (double a : {0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0}) {
+        by_acceptance[fmt::format("{:.1f}", a)] = speedup(k, a);
+        line += fmt::format(" {:.1f}:{:.2f}x", a, speedup(k, a));
+      }
+      report(fmt::format("{} verify k={}", name, k), verify_ms[k - 1], "ms", verify_ms[k - 1] / plain_ms,
+             fmt::format("{} rows/sequence; speedup by acceptance{}; break-even acceptance {}", k + 1, line,
+                         break_even < 0 ? std::string("none") : fmt::format("{:.2f}", break_even)));
+      per_k.push_back(Json{{"k", k}, {"verify_ms", verify_ms[k - 1]}, {"verify_over_plain", verify_ms[k - 1] / plain_ms},
+                           {"speedup_by_acceptance", by_acceptance},
+                           {"break_even_acceptance", break_even < 0 ? Json(nullptr) : Json(break_even)}});
+    }
+    results.push_back(Json{{"kind", "spec"}, {"sequences", sequences}, {"depth", depth}, {"plain_ms", plain_ms},
+                           {"draft_ms", draft_ms}, {"rollback_copies_ms", rollback_ms}, {"by_k", per_k}});
+    return Status::ok();
+  }
 
  private:
   static Status check_finite(const std::vector<float>& v, const char* what) {
@@ -305,6 +408,9 @@ Result<KvCacheOptions> device_cache(const BenchOptions& o, const ModelConfig& c,
     for (int64_t d : o.depths) DSV4_TRY(need(1, static_cast<uint64_t>(d) + extra + 1));
   if (wants(o, "aggregate"))
     for (int64_t b : o.batches) DSV4_TRY(need(static_cast<uint64_t>(b), static_cast<uint64_t>(o.batch_depth) + extra + 1));
+  if (wants(o, "spec"))
+    for (int64_t b : o.batches)
+      DSV4_TRY(need(static_cast<uint64_t>(b), static_cast<uint64_t>(o.batch_depth) + Bench::spec_extra(extra)));
   kc.max_sequences = sequences;
   kc.max_context = std::min<uint64_t>((longest + 255) / 256 * 256, c.context_length);
   kc.pool_bytes = pool + pool / 4 + (uint64_t{64} << 20);
@@ -313,8 +419,8 @@ Result<KvCacheOptions> device_cache(const BenchOptions& o, const ModelConfig& c,
 
 Status check_options(const BenchOptions& o) {
   for (const std::string& p : o.parts)
-    if (p != "prefill" && p != "decode" && p != "aggregate")
-      return Status::errorf("--parts: unknown part \"{}\" (prefill, decode, aggregate)", p);
+    if (p != "prefill" && p != "decode" && p != "aggregate" && p != "spec")
+      return Status::errorf("--parts: unknown part \"{}\" (prefill, decode, aggregate, spec)", p);
   const auto positive = [](const std::vector<int64_t>& v, const char* flag) -> Status {
     for (int64_t x : v)
       if (x <= 0) return Status::errorf("{} {}: must be positive", flag, x);
@@ -421,6 +527,13 @@ int run_bench(const BenchOptions& o) {
   if (wants(o, "aggregate"))
     for (int64_t b : o.batches)
       if (st.is_ok()) st = measured(bench.decode(b, o.batch_depth, "aggregate"));
+  if (wants(o, "spec")) {
+    std::vector<int64_t> sizes{1};
+    for (int64_t b : o.batches)
+      if (b != 1) sizes.push_back(b);
+    for (int64_t b : sizes)
+      if (st.is_ok()) st = measured(bench.spec(b, o.batch_depth));
+  }
   if (wants(o, "prefill"))
     for (int64_t p : o.prefill)
       if (st.is_ok()) st = measured(bench.prefill(p));
@@ -435,7 +548,7 @@ void register_bench(CLI::App& app, CommandRunner& run) {
   app.add_option("-m,--model", o->model, "GGUF model file")->required()->check(CLI::ExistingFile);
   add_backend_flags(app, o->backend);
   app.add_option("-t,--threads", o->backend.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
-  app.add_option("--parts", o->parts, "what to measure: prefill, decode, aggregate")->delimiter(',')->capture_default_str();
+  app.add_option("--parts", o->parts, "what to measure: prefill, decode, aggregate, spec (MTP speculation)")->delimiter(',')->capture_default_str();
   app.add_option("--prefill", o->prefill, "prompt lengths")->delimiter(',')->capture_default_str();
   app.add_option("--chunk", o->chunk, "prefill chunk (tokens per step)")->capture_default_str();
   app.add_option("--depths", o->depths, "context depths of batch-1 decode")->delimiter(',')->capture_default_str();

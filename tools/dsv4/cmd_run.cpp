@@ -78,6 +78,13 @@ int run_run(RunOptions& o) {
         {"prompt_tokens_per_second", stats->prefill_tokens_per_second()},
         {"generation_tokens_per_second", stats->decode_tokens_per_second()},
     };
+    if (s.generate.spec > 0)
+      out["speculative"] = {{"max_drafts", s.generate.spec},
+                            {"steps", stats->spec.steps},
+                            {"drafted", stats->spec.drafted},
+                            {"accepted", stats->spec.accepted},
+                            {"acceptance", stats->spec.acceptance()},
+                            {"tokens_per_step", stats->spec.tokens_per_step()}};
     fmt::print("{}\n", out.dump(2, ' ', false, text::OrderedJson::error_handler_t::replace));
   } else {
     // A reply cut by the token limit or a stop string is expected to end early.

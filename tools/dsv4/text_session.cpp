@@ -59,6 +59,8 @@ void add_session_flags(CLI::App& app, SessionFlags& f) {
   app.add_option("--stop", f.stop, "stop when the output contains this text (repeatable)")->allow_extra_args(false);
   app.add_option("--stop-token", f.stop_token, "stop at this token id, besides EOS (repeatable)")->allow_extra_args(false);
   app.add_option("-n,--max-tokens", f.max_tokens, "most tokens to generate per reply (default 2048)");
+  app.add_option("--spec", f.spec, "MTP speculative decoding: at most K draft tokens per step, 1..4 (default 0 = off)")
+      ->check(CLI::Range(0, 4));
   app.add_option("-s,--seed", f.seed, "random seed; the same seed gives the same output (default: random)");
   add_intervention_flags(app, f.interventions);
 }
@@ -163,6 +165,7 @@ Result<Session> open_session(const SessionFlags& f, const char* command) {
     if (static_cast<size_t>(t) >= vocab)
       return Status::errorf("--stop-token {} is outside the vocabulary [0, {})", t, vocab);
   s.generate.max_tokens = f.max_tokens;
+  s.generate.spec = f.spec;
   s.generate.stop_strings = f.stop;
   s.generate.stop_tokens = f.stop_token;
   return s;
@@ -218,7 +221,11 @@ void ReplyPrinter::finish() {
 std::string speed_line(const runtime::GenerateStats& s) {
   return fmt::format("prompt: {} tokens ({} computed), {:.1f} tokens/s | generation: {} tokens, {:.1f} tokens/s ({})",
                      s.prompt_tokens, s.prefilled_tokens, s.prefill_tokens_per_second(), s.generated_tokens,
-                     s.decode_tokens_per_second(), runtime::finish_reason_name(s.finish));
+                     s.decode_tokens_per_second(), runtime::finish_reason_name(s.finish)) +
+         (s.spec.steps ? fmt::format(" | speculative: {} of {} drafts accepted ({:.0f}%), {:.2f} tokens/step",
+                                     s.spec.accepted, s.spec.drafted, 100 * s.spec.acceptance(),
+                                     s.spec.tokens_per_step())
+                       : std::string());
 }
 
 InterruptFlag::InterruptFlag() {

@@ -37,6 +37,7 @@ struct SessionFlags {
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token;
   int64_t max_tokens = 2048;
+  int spec = 0;       // --spec K: MTP speculative decoding, at most K drafts per step
   uint64_t seed = 0;
   bool seed_given = false;
   // Chat format.
