@@ -148,7 +148,14 @@ def main() -> int:
                  "-t", THREADS])
         for qtype in types:
             out = work / f"q-{qtype}.gguf"
-            run([quantize, *(["--imatrix", imat] if QUANT_TYPES[qtype] else []), synth, out, qtype, THREADS])
+            # llama-imatrix collects no statistics for the hyper-connection mixers and the
+            # compressor APE (not multiplied by ggml_mul_mat), and for the grouped output
+            # projection attn_output_a it collects the statistics of all groups together (1024
+            # values for its 512 inputs), which llama-quantize refuses; the very-low-bit types
+            # keep those tensors in f32.
+            low_bit = ["--imatrix", imat, "--tensor-type", "hc_=f32", "--tensor-type", "_ape=f32",
+                       "--tensor-type", "attn_output_a=f32"]
+            run([quantize, *(low_bit if QUANT_TYPES[qtype] else []), synth, out, qtype, THREADS])
             info = run([CLI, "info", out])
             kinds = [ln.split()[0] for ln in info.stdout.split("by type:")[1].split("by role:")[0].splitlines()
                      if ln.strip()]
