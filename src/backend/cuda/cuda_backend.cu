@@ -454,8 +454,10 @@ Result<Tensor> device_tensor(CudaBackend* self, CudaBackend::Impl& m, GgmlType t
   if (shape.empty() || n == 0) return Status::errorf("cuda {}: empty shape {}", what, t.describe());
   for (int64_t d : shape)
     if (d <= 0) return Status::errorf("cuda {}: shape {} has a dimension below 1", what, t.describe());
-  // Whole 256-byte units: the matvec kernels read 16-byte chunks up to the next boundary.
-  const size_t size = align_up(n, kAlign);
+  // Whole 256-byte units: the matvec kernels read 16-byte chunks up to the next boundary;
+  // and 16 bytes of slack past the last byte: the dequantisers read a block as whole aligned
+  // words, which for blocks not 4-byte aligned (Q8_0's 34 bytes) reach past its end.
+  const size_t size = align_up(n + 16, kAlign);
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, size);
   if (err != cudaSuccess) {
