@@ -393,6 +393,13 @@ TEST_F(CpuStepOps, ScratchIsReusedPerStepAndPoisonable) {
   Tensor ids = be_.scratch(GgmlType::I32, std::vector<int64_t>{4}).value();
   ASSERT_TRUE(be_.fill(ids, -1).is_ok());
   EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
+  // An f32 fill's -inf, or any value an int32 cannot hold, is refused for an i32 tensor
+  // (the conversion would be undefined); the tensor keeps its values.
+  for (float bad : {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 0.5f, 3e9f})
+    EXPECT_FALSE(be_.fill(ids, bad).is_ok()) << bad;
+  EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
+  ASSERT_TRUE(be_.fill(a, -std::numeric_limits<float>::infinity()).is_ok());
+  for (float v : read(a)) EXPECT_EQ(v, -std::numeric_limits<float>::infinity());
 
   // A released scope hands the same memory out again; what was before it stays.
   const auto mark = be_.scratch_mark();
