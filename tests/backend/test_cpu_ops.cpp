@@ -19,7 +19,6 @@ namespace dsv4::backend {
 namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 class CpuOps : public ::testing::Test {
  protected:

@@ -198,11 +198,15 @@ Status CpuBackend::copy_rows(const Tensor& src, const Tensor& dst) {
 Status CpuBackend::fill(const Tensor& t, float value) {
   if (t.type != GgmlType::F32 && t.type != GgmlType::I32)
     return Status::errorf("cpu fill: {} is neither f32 nor i32", t.describe());
-  const int32_t as_int = static_cast<int32_t>(value);
-  for (int64_t r = 0; r < t.rows(); ++r) {
-    if (t.type == GgmlType::F32) std::fill_n(f32_row(t, r), t.cols(), value);
-    else std::fill_n(i32_row(t, r), t.cols(), as_int);
+  if (t.type == GgmlType::F32) {
+    for (int64_t r = 0; r < t.rows(); ++r) std::fill_n(f32_row(t, r), t.cols(), value);
+    return Status::ok();
   }
+  // Converting a float outside int32's range (an f32 fill's -inf) is undefined behaviour.
+  if (!(value >= -2147483648.0f && value < 2147483648.0f) || value != std::trunc(value))
+    return Status::errorf("cpu fill: {} is not an int32 value for {}", value, t.describe());
+  const auto as_int = static_cast<int32_t>(value);
+  for (int64_t r = 0; r < t.rows(); ++r) std::fill_n(i32_row(t, r), t.cols(), as_int);
   return Status::ok();
 }
 
