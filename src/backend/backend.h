@@ -152,6 +152,11 @@ struct AttentionKeys {
   int ratio = 0;
   PagedRows entries;    // width d
   Tensor selected;      // I32 [n, top-k], or empty
+  // V4.1 DSpark draft block (deepseek-v41.md §3.7): each sequence's rows are one draft
+  // block, non-causal: every row reads the ring's positions max(window start,
+  // first_pos - window) .. first_pos - 1 and then all of the sequence's chunk rows
+  // (ratio must be 0). Backends without it refuse it.
+  bool draft_block = false;
 };
 
 class Backend {

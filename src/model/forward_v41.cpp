@@ -61,6 +61,7 @@ Status ForwardPass::block_v41(const LayerPlan& layer, const Tensor& streams, con
   } scope{be, be.scratch_mark()};
 
   if (layer.engram >= 0) DSV4_TRY(engram(layer, streams, step));
+  if (v41->dspark_hidden.valid() && !layer.mtp) DSV4_TRY(dspark_target(layer, streams, step));
 
   const auto mix = [&](const HcSite& site, Tensor& pre, HcMix& m) -> Status {
     DSV4_ASSIGN_OR_RETURN(Tensor mixes, f32({n, static_cast<int64_t>(c.hc_dim())}));
@@ -132,6 +133,7 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   keys.window = c.sliding_window;
   keys.ring = cache.ring(layer.ring);
   keys.chunk = kv;
+  keys.draft_block = layer.mtp;  // a DSpark stage attends its seeded ring and the whole block
   if (layer.ratio) {
     if (layer.kv_source) DSV4_TRY(compress_v41(layer, x, step));
     if (layer.indexer) DSV4_TRY(indexer_v41(layer, x, qr, step));
@@ -141,7 +143,7 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   }
   DSV4_ASSIGN_OR_RETURN(Tensor o, f32({n, heads * hd}));
   DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o));
-  DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));
+  if (!layer.mtp) DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));  // drafts stay out
   DSV4_TRY(be.rope(o, hd, rows.positions, layer.rope, true));
 
   const int64_t groups = c.o_groups, rank = c.o_lora_rank, group_width = heads * hd / groups;

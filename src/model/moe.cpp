@@ -8,8 +8,8 @@ using backend::Tensor;
 Result<Tensor> ForwardPass::moe(const LayerPlan& layer, const Tensor& x, const Step& step) const {
   const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
-  const int64_t n = step.rows.n, k = c.n_experts_used;
-  DSV4_ASSIGN_OR_RETURN(Tensor logits, f32({n, static_cast<int64_t>(c.n_experts)}));
+  const int64_t n = step.rows.n, k = c.experts_used_of(b);  // DSpark stages: their own counts
+  DSV4_ASSIGN_OR_RETURN(Tensor logits, f32({n, static_cast<int64_t>(c.experts_of(b))}));
   DSV4_TRY(be.matmul(bw.gate_inp, x, logits, backend::MatmulMode::Exact));  // fp32 router
   DSV4_ASSIGN_OR_RETURN(Tensor experts, i32({n, k}));
   DSV4_ASSIGN_OR_RETURN(Tensor weights, f32({n, k}));

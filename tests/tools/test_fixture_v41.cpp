@@ -254,6 +254,123 @@ TEST_F(FixtureV41, DecodeTeacherForcedQatOn) {
   std::printf("[ measured ] decode_logits_qat: %lld of %zu rows <= 1e-2\n", static_cast<long long>(close), e.rel.size());
 }
 
+// The DSpark drafts of a teacher-forced decode (README: `dspark_*`): the prefill of
+// decode_tokens[0:41] seeds the stages; after each decode call r = 0..29 (position 41 + r)
+// a block is drafted from that call's main hidden with decode_tokens[42 + r] as anchor.
+struct DsparkRun {
+  std::vector<int32_t> tokens;  // [30, 6]: anchor, then the 5 drafts
+  std::vector<float> logits;    // [150, vocab]
+  std::vector<float> confidence;  // [150]
+};
+
+DsparkRun dspark_run(const Model& m, const std::vector<int32_t>& tokens) {
+  DsparkRun run;
+  SequenceOptions so;
+  so.max_context = 128;
+  so.with_mtp = true;
+  auto seq = m.new_sequence(so);
+  EXPECT_TRUE(seq.is_ok()) << seq.status().message();
+  if (!seq.is_ok()) return run;
+  const auto step = [&](std::span<const int32_t> feed, int32_t anchor) -> bool {
+    BatchItem item{seq->get(), feed, false, true};
+    ForwardOutput out;
+    const Status s = m.forward(std::span<const BatchItem>(&item, 1), out);
+    EXPECT_TRUE(s.is_ok()) << s.message();
+    if (!s.is_ok()) return false;
+    const DsparkItem d{seq->get(), out.streams, anchor};
+    auto drafts = m.dspark(std::span<const DsparkItem>(&d, 1));
+    EXPECT_TRUE(drafts.is_ok()) << drafts.status().message();
+    if (!drafts.is_ok()) return false;
+    const DsparkDraft& got = drafts->at(0);
+    if (anchor < 0) return got.tokens.empty();
+    run.tokens.push_back(anchor);
+    run.tokens.insert(run.tokens.end(), got.tokens.begin(), got.tokens.end());
+    run.logits.insert(run.logits.end(), got.logits.begin(), got.logits.end());
+    run.confidence.insert(run.confidence.end(), got.confidence.begin(), got.confidence.end());
+    return true;
+  };
+  if (!step(std::span<const int32_t>(tokens.data(), 41), -1)) return run;
+  for (size_t r = 0; r < 30; ++r)
+    if (!step(std::span<const int32_t>(&tokens[41 + r], 1), tokens[42 + r])) return run;
+  return run;
+}
+
+// Confidences are one value per slot: relative error against max(|want|, 1).
+double max_confidence_error(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double worst = got.size() == want.size() ? 0 : INFINITY;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / std::max(1.0, std::fabs(double(want[i]))));
+  }
+  return worst;
+}
+
+TEST_F(FixtureV41, DsparkDraftsQatOff) {
+  auto m = load(false);
+  ASSERT_TRUE(m);
+  const DsparkRun run = dspark_run(*m, ref_i32("decode_tokens"));
+  EXPECT_EQ(run.tokens, ref_i32("dspark_tokens_noqat"));
+  expect_strict(compare_rows(run.logits, ref_f32("dspark_logits_noqat"), kVocab), "dspark_logits_noqat");
+  const double conf = max_confidence_error(run.confidence, ref_f32("dspark_confidence_noqat"));
+  std::printf("[ measured ] dspark_confidence_noqat: max error %.3g\n", conf);
+  EXPECT_LE(conf, 1e-4);
+}
+
+TEST_F(FixtureV41, DsparkDraftsQatOn) {
+  auto m = load(true);
+  ASSERT_TRUE(m);
+  const DsparkRun run = dspark_run(*m, ref_i32("decode_tokens"));
+  const std::vector<int32_t> want = ref_i32("dspark_tokens_qat");
+  ASSERT_EQ(run.tokens.size(), want.size());
+  int same = 0;
+  for (size_t r = 0; r < want.size(); r += 6)
+    same += std::equal(want.begin() + r, want.begin() + r + 6, run.tokens.begin() + r);
+  std::printf("[ measured ] dspark_tokens_qat: %d of 30 rows identical\n", same);
+  EXPECT_GE(same, 28);  // >= 95 % of the calls
+  expect_statistical(compare_rows(run.logits, ref_f32("dspark_logits_qat"), kVocab), "dspark_logits_qat");
+  const double conf = max_confidence_error(run.confidence, ref_f32("dspark_confidence_qat"));
+  std::printf("[ measured ] dspark_confidence_qat: max error %.3g\n", conf);
+}
+
+// The DSpark prefill call after the 72-token prefill: main hidden and main_x by name.
+TEST_F(FixtureV41, DsparkPrefillIntermediates) {
+  for (const bool qat : {false, true}) {
+    const std::string mode = qat ? "qat" : "noqat";
+    SCOPED_TRACE(mode);
+    auto m = load(qat);
+    ASSERT_TRUE(m);
+    SequenceOptions so;
+    so.max_context = 128;
+    so.with_mtp = true;
+    auto seq = m->new_sequence(so);
+    ASSERT_TRUE(seq.is_ok()) << seq.status().message();
+    const std::vector<int32_t> tokens = ref_i32("tokens");
+    BatchItem item{seq->get(), tokens, false, true};
+    ForwardOutput out;
+    ASSERT_TRUE(m->forward(std::span<const BatchItem>(&item, 1), out).is_ok());
+    const RowErrors hidden = compare_rows(out.streams, ref_f32(mode + ".dspark_main_hidden"), 384);
+    report(hidden, mode + ".dspark_main_hidden");
+    ForwardTrace trace;
+    const DsparkItem d{seq->get(), out.streams, -1};
+    auto drafts = m->dspark(std::span<const DsparkItem>(&d, 1), &trace);
+    ASSERT_TRUE(drafts.is_ok()) << drafts.status().message();
+    EXPECT_TRUE(drafts->at(0).tokens.empty());
+    const TracedTensor* x = trace.find("dspark_main_x");
+    ASSERT_NE(x, nullptr);
+    const RowErrors main_x = compare_rows(x->f32, ref_f32(mode + ".dspark_main_x"), 128);
+    report(main_x, mode + ".dspark_main_x");
+    ASSERT_TRUE(hidden.finite && main_x.finite);
+    if (qat) {
+      EXPECT_LE(hidden.median(), 1e-3);
+      EXPECT_LE(main_x.median(), 1e-3);
+    } else {
+      EXPECT_LE(hidden.max(), 1e-4);
+      EXPECT_LE(main_x.max(), 1e-4);
+    }
+  }
+}
+
 // From 3 tokens: the first steps run with one ratio-2 entry and a half-empty window.
 TEST_F(FixtureV41, ShortDecode) {
   const auto tokens = ref_i32("tokens");

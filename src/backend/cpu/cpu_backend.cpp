@@ -436,6 +436,7 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
   if (keys.ratio) DSV4_TRY(expect_paged(keys.entries, "attention", d));
   if (selected) DSV4_TRY(expect(keys.selected, "attention", "selected", GgmlType::I32, n, -1));
   const int64_t comp_slots = selected ? keys.selected.cols() : 0;
+  if (keys.draft_block && keys.ratio) return Status::error("attention: a draft block reads no compressed entries");
 
   // Every key a row reads must exist: rows of its own sequence, pages in place.
   for (int64_t r = 0; r < n; ++r) {
@@ -468,9 +469,15 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
       const int64_t t = v.positions[r], first_pos = sq[kSeqFirstPos], first_row = sq[kSeqFirstRow];
       const int32_t slot = sq[kSeqSlot];
       key_rows.clear();
-      for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], t - win + 1); p <= t; ++p)
-        key_rows.push_back(p >= first_pos ? f32_row(keys.chunk, first_row + (p - first_pos))
-                                          : f32_row(keys.ring.data, slot * win + p % win));
+      if (keys.draft_block) {  // the ring up to the block, then the whole block (non-causal)
+        for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], first_pos - win); p < first_pos; ++p)
+          key_rows.push_back(f32_row(keys.ring.data, slot * win + p % win));
+        for (int64_t i = 0; i < sq[kSeqRows]; ++i) key_rows.push_back(f32_row(keys.chunk, first_row + i));
+      } else {
+        for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], t - win + 1); p <= t; ++p)
+          key_rows.push_back(p >= first_pos ? f32_row(keys.chunk, first_row + (p - first_pos))
+                                            : f32_row(keys.ring.data, slot * win + p % win));
+      }
       if (keys.ratio) {
         if (selected) {
           for (int64_t j = 0; j < comp_slots; ++j)
