@@ -86,6 +86,10 @@ enum class MatmulMode {
   Exact,      // weights decoded exactly, fp32 activations and accumulation (reference)
   Quantized,  // activations quantised once per row (CPU: quant.h's Q8_0/Q8_K integer
               // dot products; exact for weight types without an integer path)
+  // As Exact, each output one fma chain over the inputs in order: the arithmetic of the
+  // official V4.1 reference's fp32 CPU GEMM (shared/fixtures/tiny-v41), whose QAT
+  // roundings flip on last-bit differences. Backends without it compute Exact.
+  Sequential,
 };
 
 // ---- one step's rows and the cache views the DeepSeek-V4 operations read ---------------
@@ -212,6 +216,13 @@ class Backend {
   virtual Status rope(const Tensor& x, int64_t head_dim, const Tensor& positions,
                       const RopeParams& p, bool inverse) = 0;
   // y += x (same shape).
+  // rms_norm with the mean of squares summed in fp32 in torch's CPU order (8-lane vectors,
+  // four accumulators, at::native's cascade sum), as the official V4.1 reference computes
+  // it; pairs with MatmulMode::Sequential. Backends without it compute rms_norm.
+  virtual Status rms_norm_torch_order(const Tensor& x, const Tensor* weight, float eps, int64_t width,
+                                      const Tensor& y) {
+    return rms_norm(x, weight, eps, width, y);
+  }
   virtual Status add(const Tensor& x, const Tensor& y) = 0;
   // x *= factor, in place.
   virtual Status scale(const Tensor& x, float factor) = 0;

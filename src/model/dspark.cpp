@@ -31,15 +31,15 @@ Result<Tensor> ForwardPass::dspark_seed(const Tensor& main_hidden, const Step& s
   const int64_t n = rows.n, d = c.hidden, hd = c.head_dim;
   const BlockWeights& first = w.blocks[c.n_layers];
   DSV4_ASSIGN_OR_RETURN(Tensor x, f32({n, d}));
-  DSV4_TRY(be.matmul(first.dspark_main_proj, main_hidden, x, opt.matmul));
-  DSV4_TRY(be.rms_norm(x, &first.dspark_main_norm, c.rms_eps, d, x));
+  DSV4_TRY(be.matmul(first.dspark_main_proj, main_hidden, x, v41_mode(opt.matmul)));
+  DSV4_TRY(v41_norm(x, &first.dspark_main_norm, d, x));
   if (trace) DSV4_TRY(trace->record("dspark_main_x", x));
   for (uint32_t s = 0; s < c.n_mtp; ++s) {
     const LayerPlan& layer = plan.layers[c.n_layers + s];
     const BlockWeights& bw = w.blocks[layer.block];
     DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, hd}));
-    DSV4_TRY(be.matmul(bw.kv, x, kv, opt.matmul));
-    DSV4_TRY(be.rms_norm(kv, &bw.kv_norm, c.rms_eps, hd, kv));
+    DSV4_TRY(be.matmul(bw.kv, x, kv, v41_mode(opt.matmul)));
+    DSV4_TRY(v41_norm(kv, &bw.kv_norm, hd, kv));
     DSV4_TRY(be.rope(kv, hd, rows.positions, layer.rope, false));
     if (opt.qat) DSV4_TRY(be.round_fp8_blocks(kv, hd, 32));  // the FP8 rule, as the trunk's window KV
     DSV4_TRY(note(layer.block, "window_kv", kv));
@@ -58,9 +58,9 @@ Result<ForwardPass::DsparkOut> ForwardPass::dspark_draft(const Step& step) const
   DSV4_TRY(be.hc_collapse(streams, v41->pre, c.hc_mult, out.h));  // the last stage's FFN `pre`
   if (trace) DSV4_TRY(trace->record("dspark_hidden", out.h));
   DSV4_ASSIGN_OR_RETURN(Tensor normed, f32({n, d}));
-  DSV4_TRY(be.rms_norm(out.h, &w.blocks[c.n_blocks() - 1].head_norm, c.rms_eps, d, normed));
+  DSV4_TRY(v41_norm(out.h, &w.blocks[c.n_blocks() - 1].head_norm, d, normed));
   DSV4_ASSIGN_OR_RETURN(out.logits, f32({n, static_cast<int64_t>(c.vocab_size)}));
-  DSV4_TRY(be.matmul(w.output, normed, out.logits, opt.matmul));
+  DSV4_TRY(be.matmul(w.output, normed, out.logits, v41_mode(opt.matmul)));
   return out;
 }
 

@@ -98,6 +98,22 @@ struct ForwardPass {
   Status compress_v41(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;
   Status indexer_v41(const LayerPlan& layer, const backend::Tensor& x, const backend::Tensor& qr,
                      const Step& step) const;
+  // V4.1's fp32 mode computes as the official reference does on the CPU (fma chains in
+  // input order, torch's fp32 norm sums): its QAT roundings flip on last-bit differences
+  // (tiny-v41's decode: one FP8 code at layer 0). The fast mode stays as it is.
+  backend::MatmulMode v41_mode(backend::MatmulMode m) const {
+    return m == backend::MatmulMode::Exact ? backend::MatmulMode::Sequential : m;
+  }
+  // The products the reference always computes in fp32 (routers, mixes, compressors).
+  backend::MatmulMode v41_exact() const {
+    return opt.matmul == backend::MatmulMode::Exact ? backend::MatmulMode::Sequential : backend::MatmulMode::Exact;
+  }
+  Status v41_norm(const backend::Tensor& x, const backend::Tensor* weight, int64_t width,
+                  const backend::Tensor& y) const {
+    return opt.matmul == backend::MatmulMode::Exact ? be.rms_norm_torch_order(x, weight, c.rms_eps, width, y)
+                                                    : be.rms_norm(x, weight, c.rms_eps, width, y);
+  }
+
   // DSpark (dspark.cpp; §3.7). Writes block `layer`'s stream mean into v41->dspark_hidden
   // when the block is a target layer.
   Status dspark_target(const LayerPlan& layer, const backend::Tensor& streams, const Step& step) const;

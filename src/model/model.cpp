@@ -601,7 +601,7 @@ Result<std::vector<DsparkDraft>> Model::dspark(std::span<const DsparkItem> batch
     DSV4_ASSIGN_OR_RETURN(Tensor embed, fp.f32({m, rank}));
     DSV4_TRY(backend_->get_rows(weights_->dspark.markov_embd, ids, embed));
     DSV4_ASSIGN_OR_RETURN(Tensor b, fp.f32({m, vocab}));
-    DSV4_TRY(backend_->matmul(weights_->dspark.markov_head, embed, b, backend::MatmulMode::Exact));
+    DSV4_TRY(backend_->matmul(weights_->dspark.markov_head, embed, b, fp.v41_exact()));
     std::vector<int32_t> slot_rows(m);
     for (int64_t k = 0; k < m; ++k) slot_rows[k] = static_cast<int32_t>(drafts[k].row0 + i);
     DSV4_ASSIGN_OR_RETURN(Tensor rows_t, fp.upload_i32(slot_rows, {m}));
@@ -611,7 +611,7 @@ Result<std::vector<DsparkDraft>> Model::dspark(std::span<const DsparkItem> batch
     DSV4_TRY(backend_->copy_rows(h, joined.columns(0, d)));
     DSV4_TRY(backend_->copy_rows(embed, joined.columns(d, rank)));
     DSV4_ASSIGN_OR_RETURN(Tensor c, fp.f32({m, 1}));
-    DSV4_TRY(backend_->matmul(weights_->dspark.conf_proj, joined, c, backend::MatmulMode::Exact));
+    DSV4_TRY(backend_->matmul(weights_->dspark.conf_proj, joined, c, fp.v41_exact()));
     DSV4_TRY(backend_->download(b, bias.data(), bias.size() * sizeof(float)));
     DSV4_TRY(backend_->download(c, conf.data(), conf.size() * sizeof(float)));
     for (int64_t k = 0; k < m; ++k) {
