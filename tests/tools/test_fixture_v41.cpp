@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <set>
 #include <string>
@@ -340,6 +342,31 @@ TEST_F(FixtureV41, DsparkDraftsQatOn) {
   EXPECT_LE(conf, 0.25);  // relative to max(|c|, 1); QAT off: 2e-5
 }
 
+// `dsv4 score --mtp` on the V4.1 file: the teacher-forced DSpark blocks of decode_tokens,
+// QAT off; the printed drafts after positions 41..70 are dspark_tokens_noqat's rows.
+TEST_F(FixtureV41, ScoreMtpPrintsTheDsparkDrafts) {
+  const test::TempDir dir;
+  const std::vector<int32_t> tokens = ref_i32("decode_tokens");
+  std::string ids;
+  for (int32_t t : tokens) ids += std::to_string(t) + " ";
+  const std::string tok_file = (dir / "tokens.txt").string(), out = (dir / "drafts.npy").string();
+  { std::FILE* f = std::fopen(tok_file.c_str(), "w"); ASSERT_NE(f, nullptr); std::fputs(ids.c_str(), f); std::fclose(f); }
+  const auto r = test::run_command(test::cli_path().string() + " score -m " + fixture_gguf() + " --tokens " + tok_file +
+                                   " -o " + out + " --mtp --no-qat -t 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<int32_t> want = ref_i32("dspark_tokens_noqat");
+  int matched = 0;
+  for (int row = 0; row < 30; ++row) {
+    std::string line = std::to_string(41 + row) + " " + std::to_string(want[row * 6]) + ":";
+    for (int i = 1; i < 6; ++i) line += " " + std::to_string(want[row * 6 + i]);
+    matched += r.output.find("\n" + line + " |") != std::string::npos;
+  }
+  EXPECT_EQ(matched, 30) << r.output.substr(0, 2000);
+  const auto bytes = std::filesystem::file_size(out);
+  EXPECT_EQ((bytes - 128) % (5 * kVocab * 4), 0u);
+  EXPECT_EQ((bytes - 128) / (5 * kVocab * 4), tokens.size() - 1);
+}
+
 // The DSpark prefill call after the 72-token prefill: main hidden and main_x by name.
 TEST_F(FixtureV41, DsparkPrefillIntermediates) {
   for (const bool qat : {false, true}) {
@@ -375,6 +402,44 @@ TEST_F(FixtureV41, DsparkPrefillIntermediates) {
       EXPECT_LE(hidden.max(), 1e-4);
       EXPECT_LE(main_x.max(), 1e-4);
     }
+  }
+}
+
+// The fp32 mode's arithmetic order is the reference's (MatmulMode::Sequential, torch's norm
+// sums): block 0's attention input and window KV bit for bit in both modes, and main_x
+// (K = 384: two K blocks) bit for bit from the reference's own main hidden.
+int differing_bits(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return -1;
+  int diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) diff += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
+  return diff;
+}
+
+TEST_F(FixtureV41, ReferenceArithmeticIsBitIdentical) {
+  for (const bool qat : {false, true}) {
+    const std::string mode = qat ? "qat" : "noqat";
+    SCOPED_TRACE(mode);
+    auto m = load(qat);
+    ASSERT_TRUE(m);
+    ForwardTrace trace;
+    prefill(*m, ref_i32("tokens"), &trace);
+    for (const std::string name : {"layers.0.attn_in", "layers.0.window_kv"}) {
+      const TracedTensor* t = trace.find(name);
+      ASSERT_NE(t, nullptr) << name;
+      EXPECT_EQ(differing_bits(t->f32, ref_f32(mode + "." + name)), 0) << name;
+    }
+    SequenceOptions so;
+    so.max_context = 128;
+    so.with_mtp = true;
+    auto seq = m->new_sequence(so);
+    ASSERT_TRUE(seq.is_ok());
+    const std::vector<float> hidden = ref_f32(mode + ".dspark_main_hidden");
+    ForwardTrace seed;
+    const DsparkItem d{seq->get(), hidden, -1};
+    ASSERT_TRUE(m->dspark(std::span<const DsparkItem>(&d, 1), &seed).is_ok());
+    const TracedTensor* x = seed.find("dspark_main_x");
+    ASSERT_NE(x, nullptr);
+    EXPECT_EQ(differing_bits(x->f32, ref_f32(mode + ".dspark_main_x")), 0);
   }
 }
 
