@@ -483,6 +483,20 @@ TEST_F(FixtureV41, ChunkedPrefillIsBitIdenticalAndImagesAreRefused) {
   auto r = m->prefill(*s, image);
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("511"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("position 2"), std::string::npos) << r.status().message();
+  EXPECT_EQ(s->position(), 0);  // nothing was computed
+
+  // A DSpark anchor is a prompt token too.
+  SequenceOptions so;
+  so.max_context = 128;
+  so.with_mtp = true;
+  auto d = m->new_sequence(so);
+  ASSERT_TRUE(d.is_ok());
+  const std::vector<float> hidden(384, 0.5f);
+  const DsparkItem item{d->get(), hidden, 511};
+  auto drafts = m->dspark(std::span<const DsparkItem>(&item, 1));
+  ASSERT_FALSE(drafts.is_ok());
+  EXPECT_NE(drafts.status().message().find("511"), std::string::npos) << drafts.status().message();
 }
 
 }  // namespace
