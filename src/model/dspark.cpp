@@ -42,7 +42,7 @@ Result<Tensor> ForwardPass::dspark_seed(const Tensor& main_hidden, const Step& s
     DSV4_TRY(v41_norm(kv, &bw.kv_norm, hd, kv));
     DSV4_TRY(be.rope(kv, hd, rows.positions, layer.rope, false));
     if (opt.qat) DSV4_TRY(be.round_fp8_blocks(kv, hd, 32));  // the FP8 rule, as the trunk's window KV
-    DSV4_TRY(note(layer.block, "window_kv", kv));
+    DSV4_TRY(note(layer.block, "main_kv", kv));  // the draft rows record their own window_kv
     DSV4_TRY(be.store_window(kv, rows, c.sliding_window, cache.ring(layer.ring)));
   }
   return x;
