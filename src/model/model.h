@@ -100,7 +100,9 @@ struct ForwardOutput {
   int64_t rows = 0;
   // One per batch item: the sampled token, or -1 for an item without a SampleSpec.
   std::vector<int32_t> tokens;
-  // For keep_streams items, every token, in batch order: [tokens, hc_mult * hidden].
+  // For keep_streams items, every token, in batch order: [tokens, hc_mult * hidden]; on a
+  // V4.1 model with DSpark stages, the DSpark main hidden instead (DsparkItem):
+  // [tokens, targets * hidden].
   std::vector<float> streams;
 };
 
@@ -110,6 +112,22 @@ struct MtpItem {
   Sequence* sequence = nullptr;
   std::span<const float> streams;        // [n, hc_mult * hidden]
   std::span<const int32_t> next_tokens;  // [n]
+};
+
+// One DSpark call (V4.1, shared/spec/deepseek-v41.md §3.7): the main hidden of trunk
+// rows at positions mtp_position()... (ForwardOutput::streams of a keep_streams item),
+// which seeds every stage's window; with an anchor (the token after the last row), a
+// block of drafts follows that row.
+struct DsparkItem {
+  Sequence* sequence = nullptr;
+  std::span<const float> main_hidden;  // [n, targets * hidden]
+  int32_t anchor = -1;                 // -1: seed only (the prefill call)
+};
+// A drafted block after position p (the last seeded row; the anchor sits at p + 1).
+struct DsparkDraft {
+  std::vector<int32_t> tokens;    // [block]: greedy drafts for positions p + 2 ...
+  std::vector<float> logits;      // [block, vocab]: shared head + Markov bias of the slot's previous token
+  std::vector<float> confidence;  // [block]: the confidence head per slot
 };
 
 // The mutable parts of a sequence's state at one position (Model::snapshot): window
@@ -155,6 +173,10 @@ class Model {
   // input of a chained draft (speculative decoding, runtime/speculative.h).
   Result<std::vector<float>> mtp(std::span<const MtpItem> batch, ForwardTrace* trace = nullptr,
                                  std::vector<float>* streams_out = nullptr) const;
+
+  // V4.1's DSpark stages: seeds each item's rows, then drafts a block for every item with
+  // an anchor (one result per item, empty without). The sequence needs with_mtp.
+  Result<std::vector<DsparkDraft>> dspark(std::span<const DsparkItem> batch, ForwardTrace* trace = nullptr) const;
 
   // An independent copy of seq's whole state (same position; later forwards on either do
   // not affect the other), charged to the same budget; compressed rows are shared until
