@@ -215,7 +215,6 @@ class Backend {
   // positions[s] (inverse: the conjugate rotation, for output de-rotation).
   virtual Status rope(const Tensor& x, int64_t head_dim, const Tensor& positions,
                       const RopeParams& p, bool inverse) = 0;
-  // y += x (same shape).
   // rms_norm with the mean of squares summed in fp32 in torch's CPU order (8-lane vectors,
   // four accumulators, at::native's cascade sum), as the official V4.1 reference computes
   // it; pairs with MatmulMode::Sequential. Backends without it compute rms_norm.
@@ -223,6 +222,7 @@ class Backend {
                                       const Tensor& y) {
     return rms_norm(x, weight, eps, width, y);
   }
+  // y += x (same shape).
   virtual Status add(const Tensor& x, const Tensor& y) = 0;
   // x *= factor, in place.
   virtual Status scale(const Tensor& x, float factor) = 0;
