@@ -412,7 +412,9 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
     int32_t* f = &seqs[i * backend::kSeqFields];
     f[backend::kSeqSlot] = static_cast<int32_t>(batch[0].sequence->slot());
     if (i >= n) {
-      append_sample_spec(SampleSpec{.temperature = 0}, static_cast<int32_t>(i), params, adjust);
+      SampleSpec greedy;  // padding rows of a bucket: greedy, nothing returned
+      greedy.temperature = 0;
+      append_sample_spec(greedy, static_cast<int32_t>(i), params, adjust);
       continue;
     }
     const Sequence& seq = *batch[i].sequence;
