@@ -42,6 +42,19 @@ std::string resolve_backend_name(const std::string& choice) {
   return "cpu";
 }
 
+Status check_backend_available(const std::string& choice) {
+  if (choice != "cuda") return Status::ok();
+#ifdef DSV4_HAVE_CUDA
+  if (auto device = cuda::query_device(0); !device.is_ok())
+    return Status::errorf("--backend cuda: no CUDA device answers ({}); use --backend cpu or auto",
+                          device.status().message());
+  return Status::ok();
+#else
+  return Status::error("--backend cuda: this dsv4 was built without CUDA (configure with -DDSV4_CUDA=ON); use "
+                       "--backend cpu or auto");
+#endif
+}
+
 Result<ChosenBackend> make_backend(const BackendFlags& flags, const char* command) {
   ChosenBackend chosen;
   chosen.name = resolve_backend_name(flags.backend);

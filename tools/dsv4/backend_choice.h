@@ -1,5 +1,5 @@
 // Which backend a command runs on, decided in one place for every command that loads a
-// model (run, chat, score, bench): --backend cpu|cuda|auto (auto: CUDA when this dsv4 was
+// model (run, chat, score, bench, serve): --backend cpu|cuda|auto (auto: CUDA when this dsv4 was
 // built with it and a GPU is present, else the CPU), the matrix-product numerics that go
 // with it, and cache sizes a device can hold.
 #pragma once
@@ -28,6 +28,14 @@ void add_backend_flags(CLI::App& app, BackendFlags& flags);
 bool cuda_built();  // this dsv4 has the CUDA backend
 // "cpu" or "cuda" for --backend auto: CUDA when built with it and device 0 answers.
 std::string resolve_backend_name(const std::string& choice);
+
+// Whether --backend names a backend this process can have: "cuda" needs a build with CUDA
+// and a device that answers (the message says which is missing); "cpu" and "auto" always.
+// Commands call it before reading a model, so the refusal is a usage error.
+Status check_backend_available(const std::string& choice);
+
+// --ctx on a device when absent: every slot is allocated at it up front.
+inline constexpr uint64_t kDeviceContext = 16384;
 
 struct ChosenBackend {
   std::unique_ptr<backend::Backend> backend;

@@ -12,7 +12,7 @@
 #include <fstream>
 #include <thread>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend_choice.h"
 #include "commands.h"
 #include "interventions.h"
 #include "gguf/gguf_file.h"
@@ -30,7 +30,7 @@ void on_signal(int) { g_stop.store(true); }
 
 struct ServeOptions {
   std::string model;
-  std::string backend = "cpu";
+  BackendFlags backend;  // --backend, -t, --fast, --exact (backend_choice.h)
   std::string host = "127.0.0.1";
   int port = 8080;
   std::string port_file;
@@ -48,8 +48,6 @@ struct ServeOptions {
   bool any_model = false;
   bool think = false, nothink = false;
   std::string effort_table = "v4";
-  int threads = 0;
-  bool fast = false;
   std::string max_body = "16M";
   int http_threads = 64;
   InterventionFlags interventions;  // --glp, --glp-alpha, --glp-layers, --kv-graft
@@ -92,8 +90,8 @@ int fail(const Status& s, int code = kExitFailure) {
 }
 
 int run_serve(ServeOptions& o) {
-  if (o.backend != "cpu")
-    return fail(Status::errorf("--backend {}: this build has the cpu backend only", o.backend), kExitUsage);
+  // A backend that cannot exist here is a usage error, found before the model is read.
+  if (Status s = check_backend_available(o.backend.backend); !s.is_ok()) return fail(s, kExitUsage);
   auto kv_budget = parse_bytes("--kv-budget", o.kv_budget);
   auto persist_budget = parse_bytes("--kv-persist-budget", o.kv_persist_budget);
   auto max_body = parse_bytes("--max-body", o.max_body);
@@ -123,15 +121,22 @@ int run_serve(ServeOptions& o) {
     if (!tok.is_ok()) return fail(tok.status());
     tokenizer = std::make_unique<text::Tokenizer>(std::move(*tok));
   }
-  backend::CpuBackend cpu(o.threads);
+  auto chosen = make_backend(o.backend, "dsv4 serve");
+  if (!chosen.is_ok()) return fail(chosen.status());
   ModelOptions mo;
-  mo.matmul = o.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
-  auto model = Model::load(path, cpu, mo);
+  mo.matmul = matmul_mode(o.backend, *chosen);
+  // A device allocates the cache up front (backend_choice.h): a slot per running sequence
+  // and per idle prefix-cache entry, of --ctx tokens (default kDeviceContext there, as run
+  // and chat), and pages for --kv-budget bytes when given (else every slot at --ctx).
+  const uint64_t device_ctx = o.ctx ? o.ctx : kDeviceContext;
+  mo.cache = cache_options(*chosen, static_cast<uint32_t>(o.max_seqs + o.cache_entries), device_ctx);
+  if (chosen->device) mo.cache.pool_bytes = *kv_budget;
+  auto model = Model::load(path, *chosen->backend, mo);
   if (!model.is_ok()) return fail(model.status());
   const ModelConfig& config = (*model)->config();
   if (o.ctx > config.context_length)
     return fail(Status::errorf("--ctx {} exceeds the model's context length {}", o.ctx, config.context_length), kExitUsage);
-  const uint64_t ctx = o.ctx ? o.ctx : config.context_length;
+  const uint64_t ctx = o.ctx ? o.ctx : chosen->device ? std::min(device_ctx, config.context_length) : config.context_length;
   auto graft = apply_interventions(o.interventions, **model);
   if (!graft.is_ok()) return fail(graft.status());
   if (*graft && static_cast<uint64_t>((*graft)->footprint) + 1 >= ctx)
@@ -208,9 +213,10 @@ int run_serve(ServeOptions& o) {
   std::signal(SIGPIPE, SIG_IGN);
   scheduler.start();
   fmt::print(stderr,
-             "dsv4 serve: http://{}:{} serving {} as {}{} | ctx {} | max-seqs {} | kv-budget {} | batch {} tokens{}\n",
+             "dsv4 serve: http://{}:{} serving {} as {}{} | backend {} | ctx {} | max-seqs {} | kv-budget {} | batch {} "
+             "tokens{}\n",
              o.host, srv.bound_port(), path, api.model_names[0], builtin ? " (built-in tiny model, random weights)" : "",
-             ctx, o.max_seqs, so.kv_budget ? fmt::format("{} B", so.kv_budget) : "unlimited", o.batch_tokens,
+             chosen->name, ctx, o.max_seqs, so.kv_budget ? fmt::format("{} B", so.kv_budget) : "unlimited", o.batch_tokens,
              o.api_key.empty() ? "" : " | API key required");
   std::thread watcher([&] {
     while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -232,7 +238,7 @@ void register_serve(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<ServeOptions>();
   app.add_option("-m,--model", o->model, "GGUF model file (default: the built-in tiny model, random weights)")
       ->check(CLI::ExistingFile);
-  app.add_option("--backend", o->backend, "compute backend: cpu")->check(CLI::IsMember({"cpu", "cuda"}));
+  add_backend_flags(app, o->backend);
   app.add_option("--host", o->host, "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)");
   app.add_option("--port", o->port, "TCP port (default 8080; 0: any free port)")->check(CLI::Range(0, 65535));
   app.add_option("--port-file", o->port_file, "write the port listened on to this file (with --port 0)");
@@ -252,8 +258,7 @@ void register_serve(CLI::App& app, CommandRunner& run) {
   auto* think = app.add_flag("--think", o->think, "reason first unless a request says otherwise (default)");
   app.add_flag("--nothink", o->nothink, "answer directly unless a request asks for reasoning")->excludes(think);
   app.add_option("--effort-table", o->effort_table, "reasoning-effort prompts of: v4 or 0731")->check(CLI::IsMember({"v4", "0731"}));
-  app.add_option("-t,--threads", o->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
-  app.add_flag("--fast", o->fast, "integer dot products on quantised activations (not the fp32 reference)");
+  app.add_option("-t,--threads", o->backend.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   app.add_option("--max-body", o->max_body, "largest request body; larger get 413 (default 16M)");
   app.add_option("--http-threads", o->http_threads, "connections served at once (default 64)");
   add_intervention_flags(app, o->interventions);
