@@ -30,6 +30,8 @@ void on_signal(int) { g_stop.store(true); }
 
 struct ServeOptions {
   std::string model;
+  std::string mtp;       // --mtp FILE: the MTP sidecar of a trunk-only model
+  int spec = 0;          // --spec K: MTP speculative decoding, at most K drafts per step
   BackendFlags backend;  // --backend, -t, --fast, --exact (backend_choice.h)
   std::string host = "127.0.0.1";
   int port = 8080;
@@ -98,6 +100,9 @@ int run_serve(ServeOptions& o) {
   for (const auto* r : {&kv_budget, &persist_budget, &max_body})
     if (!r->is_ok()) return fail(r->status(), kExitUsage);
   if (Status s = validate_intervention_flags(o.interventions); !s.is_ok()) return fail(s, kExitUsage);
+  if (o.spec > 0 && !o.interventions.kv_graft.empty())  // as run and chat
+    return fail(Status::error("--spec: speculative decoding does not take a KV graft (--kv-graft) in this build"),
+                kExitUsage);
   if (o.max_seqs == 0) return fail(Status::error("--max-seqs must be at least 1"), kExitUsage);
   if (o.batch_tokens < 1) return fail(Status::error("--batch-tokens must be at least 1"), kExitUsage);
   if (o.api_key.empty())
@@ -125,6 +130,7 @@ int run_serve(ServeOptions& o) {
   if (!chosen.is_ok()) return fail(chosen.status());
   ModelOptions mo;
   mo.matmul = matmul_mode(o.backend, *chosen);
+  mo.mtp_path = o.mtp;
   // A device allocates the cache up front (backend_choice.h): a slot per running sequence
   // and per idle prefix-cache entry, of --ctx tokens (default kDeviceContext there, as run
   // and chat), and pages for --kv-budget bytes when given (else every slot at --ctx).
@@ -136,6 +142,9 @@ int run_serve(ServeOptions& o) {
   const ModelConfig& config = (*model)->config();
   if (o.ctx > config.context_length)
     return fail(Status::errorf("--ctx {} exceeds the model's context length {}", o.ctx, config.context_length), kExitUsage);
+  if (o.spec > 0 && !(*model)->has_mtp())
+    return fail(Status::errorf("--spec {}: {} has no MTP block to draft with (--mtp FILE for a trunk-only model)",
+                               o.spec, path), kExitUsage);
   const uint64_t ctx = o.ctx ? o.ctx : chosen->device ? std::min(device_ctx, config.context_length) : config.context_length;
   auto graft = apply_interventions(o.interventions, **model);
   if (!graft.is_ok()) return fail(graft.status());
@@ -152,6 +161,11 @@ int run_serve(ServeOptions& o) {
   so.prefix.snapshot_interval = o.snapshot_interval;
   so.prefix.max_idle = o.cache_entries;
   so.prefix.graft = *graft;
+  if (o.spec > 0) {
+    runtime::SpecOptions spec;
+    spec.max_k = o.spec;
+    so.speculative = spec;
+  }
   if (!o.kv_persist.empty()) {
     auto identity = runtime::model_identity(path, mo);
     if (!identity.is_ok()) return fail(identity.status());
@@ -164,13 +178,14 @@ int run_serve(ServeOptions& o) {
                                o.interventions.glp_layers);
     }
     if (*graft) *identity += fmt::format(" graft={:016x}", (*graft)->hash);
+    if (o.spec > 0) *identity += " mtp";  // the sequences keep the MTP blocks' windows
     so.prefix.persist_dir = o.kv_persist;
     so.prefix.persist_budget = *persist_budget;
     so.prefix.identity = *identity;
   }
   const uint64_t footprint = *graft ? static_cast<uint64_t>((*graft)->footprint) : 0;
   if (so.kv_budget) {
-    auto one = CachePlan::compute(config, std::min<uint64_t>(ctx, footprint + 1), false);
+    auto one = CachePlan::compute(config, std::min<uint64_t>(ctx, footprint + 1), o.spec > 0);
     if (one.is_ok() && one->total() > so.kv_budget)
       return fail(Status::errorf("--kv-budget {} bytes cannot hold even one sequence ({} bytes fixed)", so.kv_budget,
                                  one->total()), kExitUsage);
@@ -214,9 +229,10 @@ int run_serve(ServeOptions& o) {
   scheduler.start();
   fmt::print(stderr,
              "dsv4 serve: http://{}:{} serving {} as {}{} | backend {} | ctx {} | max-seqs {} | kv-budget {} | batch {} "
-             "tokens{}\n",
+             "tokens{}{}\n",
              o.host, srv.bound_port(), path, api.model_names[0], builtin ? " (built-in tiny model, random weights)" : "",
              chosen->name, ctx, o.max_seqs, so.kv_budget ? fmt::format("{} B", so.kv_budget) : "unlimited", o.batch_tokens,
+             o.spec > 0 ? fmt::format(" | speculative decoding, up to {} drafts", o.spec) : "",
              o.api_key.empty() ? "" : " | API key required");
   std::thread watcher([&] {
     while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -227,8 +243,9 @@ int run_serve(ServeOptions& o) {
   g_stop.store(true);
   watcher.join();
   const runtime::SchedulerMetrics m = scheduler.metrics();
-  fmt::print(stderr, "dsv4 serve: stopped after {} requests ({} prompt tokens, {} cached, {} generated)\n",
-             m.requests_finished, m.prompt_tokens, m.cached_prompt_tokens, m.generated_tokens);
+  fmt::print(stderr, "dsv4 serve: stopped after {} requests ({} prompt tokens, {} cached, {} generated{})\n",
+             m.requests_finished, m.prompt_tokens, m.cached_prompt_tokens, m.generated_tokens,
+             o.spec > 0 ? fmt::format("; {} of {} drafts accepted", m.spec_accepted, m.spec_drafted) : "");
   return kExitOk;
 }
 
@@ -238,7 +255,11 @@ void register_serve(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<ServeOptions>();
   app.add_option("-m,--model", o->model, "GGUF model file (default: the built-in tiny model, random weights)")
       ->check(CLI::ExistingFile);
+  app.add_option("--mtp", o->mtp, "MTP sidecar of a trunk-only model (default: mtp-*.gguf found next to it)");
   add_backend_flags(app, o->backend);
+  app.add_option("--spec", o->spec,
+                 "MTP speculative decoding: at most K draft tokens per step and request, 1..4 (default 0 = off)")
+      ->check(CLI::Range(0, 4));
   app.add_option("--host", o->host, "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)");
   app.add_option("--port", o->port, "TCP port (default 8080; 0: any free port)")->check(CLI::Range(0, 65535));
   app.add_option("--port-file", o->port_file, "write the port listened on to this file (with --port 0)");
