@@ -3,7 +3,9 @@ the server gives the same greedy completions as without it, for concurrent reque
 streaming and not, with the same usage counts (and the same log-probabilities for a
 request that asks for them, which decodes without drafts); /metrics counts drafted and
 accepted tokens. Refused at start with a usage error (exit 2): --backend cuda where this
-build or this machine has no CUDA device, --spec outside 0..4, --spec with --kv-graft.
+build or this machine has no CUDA device, --spec outside 0..4, --spec with --kv-graft;
+and (exit 1, before anything is allocated) a model and caches over --device-memory, which
+`dsv4 info --backend cuda` plans the same way.
 Run by ctest with DSV4_CLI set to the built dsv4 program.
 """
 import json
@@ -85,6 +87,21 @@ class SpecServerTest(unittest.TestCase):
             os.remove(graft)
         self.assertEqual(rc, 2, err)
         self.assertIn("--spec", err)
+
+    def test_device_memory_refused_before_allocation(self):
+        # --device-memory on the CPU: checked as a device would allocate (docs/SERVER.md).
+        rc, err = serve_refusal("--backend", "cpu", "--ctx", "1024", "--max-seqs", "2", "--device-memory", "1M")
+        self.assertEqual(rc, 1, err)
+        self.assertIn("does not fit in device memory, nothing was allocated", err)
+        self.assertIn("(18 slots of 1024 tokens", err)  # --max-seqs 2 + --cache-entries 16
+        self.assertIn("of 1.0 MiB (1048576 bytes) available", err)
+        env = dict(os.environ, DSV4_CACHE_DIR=os.path.join(BINARY_DIR, "test-cache-text"))
+        p = subprocess.run([CLI, "info", "--backend", "cuda", "--ctx", "1024", "--sequences", "3", "--device-memory",
+                            "1M"], env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("device memory (--backend cuda, 3 slots of 1,024 tokens)", p.stdout)
+        self.assertIn("fits: no", p.stdout)
+        self.assertIn("does not fit in device memory", p.stderr)
 
     def test_same_greedy_completions_as_without(self):
         calls = [(p, 10 + 2 * i, i % 2 == 1) for i, p in enumerate(PROMPTS)] + [(PROMPTS[0], 1, False)]

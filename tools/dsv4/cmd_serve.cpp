@@ -66,26 +66,6 @@ Result<uint64_t> file_hash(const std::string& path) {
   return h;
 }
 
-// "1048576", "512K", "8M", "2G", "1T" (powers of 1024).
-Result<uint64_t> parse_bytes(const std::string& flag, const std::string& s) {
-  size_t used = 0;
-  unsigned long long v = 0;
-  try {
-    v = std::stoull(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string unit = s.substr(used);
-  uint64_t mult = 1;
-  if (unit == "K" || unit == "KiB" || unit == "k") mult = 1ull << 10;
-  else if (unit == "M" || unit == "MiB") mult = 1ull << 20;
-  else if (unit == "G" || unit == "GiB") mult = 1ull << 30;
-  else if (unit == "T" || unit == "TiB") mult = 1ull << 40;
-  else if (!unit.empty() || used == 0) return Status::errorf("{} '{}': expected bytes, e.g. 1048576, 512M or 8G", flag, s);
-  if (v > UINT64_MAX / mult) return Status::errorf("{} '{}' is too large", flag, s);
-  return static_cast<uint64_t>(v) * mult;
-}
-
 int fail(const Status& s, int code = kExitFailure) {
   fmt::print(stderr, "dsv4 serve: {}\n", s.message());
   return code;
@@ -94,10 +74,11 @@ int fail(const Status& s, int code = kExitFailure) {
 int run_serve(ServeOptions& o) {
   // A backend that cannot exist here is a usage error, found before the model is read.
   if (Status s = check_backend_available(o.backend.backend); !s.is_ok()) return fail(s, kExitUsage);
-  auto kv_budget = parse_bytes("--kv-budget", o.kv_budget);
-  auto persist_budget = parse_bytes("--kv-persist-budget", o.kv_persist_budget);
-  auto max_body = parse_bytes("--max-body", o.max_body);
-  for (const auto* r : {&kv_budget, &persist_budget, &max_body})
+  auto kv_budget = parse_byte_size("--kv-budget", o.kv_budget);
+  auto persist_budget = parse_byte_size("--kv-persist-budget", o.kv_persist_budget);
+  auto max_body = parse_byte_size("--max-body", o.max_body);
+  auto device_memory = device_memory_bytes(o.backend);
+  for (const auto* r : {&kv_budget, &persist_budget, &max_body, &device_memory})
     if (!r->is_ok()) return fail(r->status(), kExitUsage);
   if (Status s = validate_intervention_flags(o.interventions); !s.is_ok()) return fail(s, kExitUsage);
   if (o.spec > 0 && !o.interventions.kv_graft.empty())  // as run and chat
@@ -131,21 +112,24 @@ int run_serve(ServeOptions& o) {
   ModelOptions mo;
   mo.matmul = matmul_mode(o.backend, *chosen);
   mo.mtp_path = o.mtp;
+  mo.device_memory = *device_memory;
   // A device allocates the cache up front (backend_choice.h): a slot per running sequence
   // and per idle prefix-cache entry, of --ctx tokens (default kDeviceContext there, as run
   // and chat), and pages for --kv-budget bytes when given (else every slot at --ctx).
   const uint64_t device_ctx = o.ctx ? o.ctx : kDeviceContext;
   mo.cache = cache_options(*chosen, static_cast<uint32_t>(o.max_seqs + o.cache_entries), device_ctx);
-  if (chosen->device) mo.cache.pool_bytes = *kv_budget;
+  if (chosen->device || chosen->sized_as_device) mo.cache.pool_bytes = *kv_budget;
   auto model = Model::load(path, *chosen->backend, mo);
   if (!model.is_ok()) return fail(model.status());
+  const bool device_sized = chosen->device || chosen->sized_as_device;
+  if (device_sized) fmt::print(stderr, "dsv4 serve: device memory: {}\n", (*model)->memory_plan().describe());
   const ModelConfig& config = (*model)->config();
   if (o.ctx > config.context_length)
     return fail(Status::errorf("--ctx {} exceeds the model's context length {}", o.ctx, config.context_length), kExitUsage);
   if (o.spec > 0 && !(*model)->has_mtp())
     return fail(Status::errorf("--spec {}: {} has no MTP block to draft with (--mtp FILE for a trunk-only model)",
                                o.spec, path), kExitUsage);
-  const uint64_t ctx = o.ctx ? o.ctx : chosen->device ? std::min(device_ctx, config.context_length) : config.context_length;
+  const uint64_t ctx = o.ctx ? o.ctx : device_sized ? std::min(device_ctx, config.context_length) : config.context_length;
   auto graft = apply_interventions(o.interventions, **model);
   if (!graft.is_ok()) return fail(graft.status());
   if (*graft && static_cast<uint64_t>((*graft)->footprint) + 1 >= ctx)
