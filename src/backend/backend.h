@@ -163,10 +163,23 @@ struct AttentionKeys {
   bool draft_block = false;
 };
 
+// Device memory as a device backend reports it (Backend::device_memory).
+struct DeviceMemoryState {
+  uint64_t free_bytes = 0;     // free on the device now; 0: host memory (not checked)
+  uint64_t scratch_bytes = 0;  // held by the backend for step scratch and workspaces
+};
+
+// The step arena's first chunk on a device backend (CudaBackendOptions::scratch_bytes) and
+// its matrix-product workspace: what a device backend holds before a model loads.
+inline constexpr uint64_t kDefaultDeviceScratchBytes = uint64_t{256} << 20;
+inline constexpr uint64_t kDeviceWorkspaceBytes = uint64_t{32} << 20;
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // What Model::load checks weights and caches against before allocating them.
+  virtual DeviceMemoryState device_memory() const { return {}; }
 
   // --- memory -------------------------------------------------------------------------
   // A zero-filled contiguous tensor.

@@ -76,6 +76,16 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& path, backend::Bac
   m->plan_ = ModelPlan::build(m->config_);
   m->options_ = options;
   m->backend_ = &backend;
+  // A device commits memory at allocation: refuse what cannot fit before allocating any.
+  const backend::DeviceMemoryState device = backend.device_memory();
+  const uint64_t capacity = options.device_memory ? options.device_memory
+                                                  : device.free_bytes ? device.free_bytes + device.scratch_bytes : 0;
+  // A capacity given for the CPU plans as a device would hold the step: its first arena chunk.
+  const uint64_t scratch = device.free_bytes     ? device.scratch_bytes
+                           : options.device_memory ? backend::kDefaultDeviceScratchBytes + backend::kDeviceWorkspaceBytes
+                                                   : 0;
+  m->memory_plan_ = plan_device_memory(m->config_, m->plan_, m->files_->tensors(), options.cache, scratch, capacity);
+  DSV4_TRY(check_device_fit(m->memory_plan_, path));
   DSV4_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::load(*m->files_, backend));
   m->weights_ = std::make_unique<ModelWeights>(std::move(weights));
   DSV4_ASSIGN_OR_RETURN(m->cache_, KvCache::create(m->config_, m->plan_, backend, options.cache));

@@ -30,6 +30,7 @@
 #include "backend/backend.h"
 #include "model/cache.h"
 #include "model/config.h"
+#include "model/device_plan.h"
 #include "model/engram.h"
 #include "model/engram_table.h"
 #include "model/kv_cache.h"
@@ -61,6 +62,10 @@ struct ModelOptions {
   // (tests: the padding must not change any token).
   bool graphs = true;
   bool decode_buckets = false;
+  // Device memory the weights, caches and scratch must fit in (model/device_plan.h),
+  // checked before anything is allocated; 0: the backend's free device memory, and
+  // nothing to check on the CPU. Set, it is checked on any backend (tests, --device-memory).
+  uint64_t device_memory = 0;
 };
 
 // A token adjustment before sampling (penalties, logit bias): x = x > 0 ? x / repetition :
@@ -203,6 +208,8 @@ class Model {
 
   const ModelPlan& plan() const { return plan_; }
   KvCache& cache() const { return *cache_; }
+  // Device memory at load, by part (capacity 0 on the CPU without ModelOptions::device_memory).
+  const DeviceMemoryPlan& memory_plan() const { return memory_plan_; }
 
   // Activation steering (steering.h): binds the file's directions (all, or those of
   // `layers`), each normalised once in double for project mode, at strength `alpha` (the
@@ -246,6 +253,7 @@ class Model {
   backend::Backend* backend_ = nullptr;
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<KvCache> cache_;
+  DeviceMemoryPlan memory_plan_;
   std::unique_ptr<EngramHasher> engram_hasher_;  // V4.1
   std::vector<EngramTable> engram_tables_;      // V4.1: read on demand, never resident
   std::optional<Steering> steering_;

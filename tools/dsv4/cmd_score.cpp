@@ -91,6 +91,7 @@ Status run_score(const ScoreOptions& o) {
   ModelOptions mo;
   mo.qat = !o.no_qat;
   mo.matmul = matmul_mode(o.backend, chosen);
+  DSV4_ASSIGN_OR_RETURN(mo.device_memory, device_memory_bytes(o.backend));
   mo.cache = cache_options(chosen, 1, footprint + tokens.size());
   mo.mtp_path = o.mtp_file;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, *chosen.backend, mo));

@@ -438,6 +438,13 @@ DeviceMemory CudaBackend::memory() const {
   return m;
 }
 
+static_assert(cuda::kCublasLtWorkspaceBytes == kDeviceWorkspaceBytes, "backend.h states the workspace");
+
+DeviceMemoryState CudaBackend::device_memory() const {
+  const DeviceMemory m = memory();
+  return {m.free_bytes, m.scratch_bytes + cuda::kCublasLtWorkspaceBytes};
+}
+
 Status CudaBackend::synchronize() {
   DSV4_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
   return Status::ok();
