@@ -119,7 +119,9 @@ TEST(CudaReferenceMath, RopePairs) {
   // correctly rounded), each by at most ~2^-23 of the pair's magnitude.
   std::printf("[ NOTE     ] rope: %lld of %lld values differ from the CPU's, at most %.3g of the pair\n",
               static_cast<long long>(differ), static_cast<long long>(n), worst);
-  if (kReleaseCodegen) EXPECT_LE(differ * 20, n) << differ << " of " << n << " rotated values differ (more than 5%)";
+  if (kReleaseCodegen) {
+    EXPECT_LE(differ * 20, n) << differ << " of " << n << " rotated values differ (more than 5%)";
+  }
   EXPECT_LE(worst, 3e-7) << "a rotated value off by " << worst << " of its pair's magnitude";
 }
 
