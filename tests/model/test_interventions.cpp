@@ -104,6 +104,7 @@ TEST_F(Interventions, StrengthZeroIsBitIdentical) {
 // The hooked activation after projection has no component along the direction (to fp32
 // rounding); addition adds exactly alpha * v; per-stream directions act on their slice.
 TEST_F(Interventions, ProjectionRemovesAndAdditionAdds) {
+  DSV4_SKIP_UNLESS_RELEASE_NUMERICS();
   const auto t = tokens(20, 3);
   const uint32_t D = model_->config().hidden, hc = model_->config().hc_mult;
   const std::vector<float> d = random_direction(D, 4);
