@@ -71,6 +71,11 @@ int main(int argc, char** argv) {
   llama_backend_init();
   llama_model_params mp = llama_model_default_params();
   mp.n_gpu_layers = 0;
+  // No repacked weight buffers (llama.cpp's --no-repack; build.sh leaves the repack code out):
+  // with them this llama.cpp aborts ("GGML_ASSERT(*cur_backend_id != -1)", no backend for the
+  // product) on the grouped projection attn_output_a, a 3-d view multiplied by permuted
+  // activations, when that tensor is in a type the repack path takes (seen with Q6_K).
+  mp.use_extra_bufts = false;
   mp.load_mtp = load_only;
   llama_model* model = llama_model_load_from_file(model_path.c_str(), mp);
   if (!model) return fail(model_path + ": llama.cpp could not load the model");
