@@ -54,14 +54,14 @@ if want release; then
   (cd build && ctest --output-on-failure -j "$(nproc)")
   # Issue 12's checks 1 and 2 against llama.cpp itself (docs/TESTING.md): builds libllama from
   # the llama-cpp-python sdist (cached in ~/.cache/dsv4, so only CI's clean machine pays the
-  # build), then checks every file layout and published quantisation type with build/dsv4.
+  # build), then llama.cpp on dsv4's files and dsv4 on llama.cpp's quantised ones (every
+  # published type), with build/dsv4.
   echo "== llama.cpp interoperability (tests/llamacpp: llama.cpp of llama-cpp-python 0.3.36)"
   log=build/llamacpp_interop.log
   if ./tests/llamacpp/run.sh build/dsv4 >"$log" 2>&1; then
     tail -1 "$log"
   else
-    grep -E "^FAIL" "$log" || tail -60 "$log"
-    tail -1 "$log"
+    grep -E "^(FAIL|llama.cpp interop:)" "$log" || tail -60 "$log"
     echo "llama.cpp interoperability failed: the whole log is $log (reproduce: tests/llamacpp/run.sh build/dsv4)"
     exit 1
   fi
