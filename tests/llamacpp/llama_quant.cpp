@@ -1,9 +1,10 @@
 // llama_quant: llama.cpp's quantiser (llama_model_quantize, the function behind
 // llama-quantize) on a GGUF file, for the interoperability tests (tests/llamacpp/). Ours, not
 // upstream's: a small program over libllama's C API, so that the tests need neither
-// llama-quantize nor llama-imatrix and their llama-common library (two thirds of llama.cpp's
+// llama-quantize nor llama-imatrix and their llama-common library (half of llama.cpp's
 // build time).
-//   llama_quant IN.gguf OUT.gguf TYPE [--threads N] [--imatrix SEED] [--tensor-type REGEX=TYPE]...
+//   llama_quant [--allow-requantize] IN.gguf OUT.gguf TYPE [--threads N] [--imatrix SEED]
+//               [--tensor-type REGEX=TYPE]...
 // TYPE is a file type as llama-quantize names it (Q6_K, Q4_K_M, IQ1_S, ..., F32). Converting
 // quantised tensors again is allowed (F32 turns a quantised file back into llama.cpp's own
 // dequantisation of it). --imatrix SEED gives every quantisable tensor an importance matrix
@@ -95,8 +96,11 @@ void quiet_log(ggml_log_level level, const char* text, void*) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) return fail("usage: llama_quant IN.gguf OUT.gguf TYPE [--threads N] [--imatrix SEED] [--tensor-type REGEX=TYPE]");
-  const std::string in = argv[1], out = argv[2], type = argv[3];
+  // llama-quantize's leading --allow-requantize is accepted (and always in effect), so that
+  // `llama_quant --allow-requantize IN OUT F32` runs where that llama-quantize line did.
+  const int at = argc > 1 && std::strcmp(argv[1], "--allow-requantize") == 0 ? 2 : 1;
+  if (argc < at + 3) return fail("usage: llama_quant IN.gguf OUT.gguf TYPE [--threads N] [--imatrix SEED] [--tensor-type REGEX=TYPE]");
+  const std::string in = argv[at], out = argv[at + 1], type = argv[at + 2];
   const auto ft = file_types().find(type);
   if (ft == file_types().end()) return fail("unknown file type " + type);
 
@@ -108,7 +112,7 @@ int main(int argc, char** argv) {
   uint32_t seed = 0;
   std::vector<std::string> patterns;
   std::vector<llama_model_tensor_override> overrides;
-  for (int i = 4; i < argc; ++i) {
+  for (int i = at + 3; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--threads" && i + 1 < argc) {
       qp.nthread = std::atoi(argv[++i]);
