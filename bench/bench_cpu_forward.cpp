@@ -26,6 +26,12 @@ namespace {
 
 constexpr int kPrompt = 64;
 
+SequenceOptions long_context() {
+  SequenceOptions o;
+  o.max_context = 4096;
+  return o;
+}
+
 std::string model_path() {
   if (const char* p = std::getenv("DSV4_BENCH_MODEL")) return p;
   const std::string path = "bench-small.gguf";
@@ -79,7 +85,7 @@ void BM_Prefill(benchmark::State& state) {
   if (!m) return state.SkipWithError("no model");
   const auto tokens = prompt(*m);
   for (auto _ : state) {
-    auto seq = m->new_sequence({.max_context = 4096});
+    auto seq = m->new_sequence(long_context());
     auto r = m->prefill(**seq, tokens);
     if (!r.is_ok()) return state.SkipWithError(r.status().message().c_str());
   }
@@ -90,7 +96,7 @@ void BM_Decode(benchmark::State& state) {
   Model* m = model_for(static_cast<int>(state.range(0)), state.range(1) != 0);
   if (!m) return state.SkipWithError("no model");
   const auto tokens = prompt(*m);
-  auto seq = m->new_sequence({.max_context = 4096});
+  auto seq = m->new_sequence(long_context());
   if (!m->prefill(**seq, tokens).is_ok()) return state.SkipWithError("prefill failed");
   int32_t next = tokens.back();
   for (auto _ : state) {

@@ -86,6 +86,10 @@ enum class MatmulMode {
   Exact,      // weights decoded exactly, fp32 activations and accumulation (reference)
   Quantized,  // activations quantised once per row (CPU: quant.h's Q8_0/Q8_K integer
               // dot products; exact for weight types without an integer path)
+  // As Exact, each output one fma chain over the inputs in order: the arithmetic of the
+  // official V4.1 reference's fp32 CPU GEMM (shared/fixtures/tiny-v41), whose QAT
+  // roundings flip on last-bit differences. Backends without it compute Exact.
+  Sequential,
 };
 
 // ---- one step's rows and the cache views the DeepSeek-V4 operations read ---------------
@@ -152,12 +156,30 @@ struct AttentionKeys {
   int ratio = 0;
   PagedRows entries;    // width d
   Tensor selected;      // I32 [n, top-k], or empty
+  // V4.1 DSpark draft block (deepseek-v41.md §3.7): each sequence's rows are one draft
+  // block, non-causal: every row reads the ring's positions max(window start,
+  // first_pos - window) .. first_pos - 1 and then all of the sequence's chunk rows
+  // (ratio must be 0). Backends without it refuse it.
+  bool draft_block = false;
 };
+
+// Device memory as a device backend reports it (Backend::device_memory).
+struct DeviceMemoryState {
+  uint64_t free_bytes = 0;     // free on the device now; 0: host memory (not checked)
+  uint64_t scratch_bytes = 0;  // held by the backend for step scratch and workspaces
+};
+
+// The step arena's first chunk on a device backend (CudaBackendOptions::scratch_bytes) and
+// its matrix-product workspace: what a device backend holds before a model loads.
+inline constexpr uint64_t kDefaultDeviceScratchBytes = uint64_t{256} << 20;
+inline constexpr uint64_t kDeviceWorkspaceBytes = uint64_t{32} << 20;
 
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // What Model::load checks weights and caches against before allocating them.
+  virtual DeviceMemoryState device_memory() const { return {}; }
 
   // --- memory -------------------------------------------------------------------------
   // A zero-filled contiguous tensor.
@@ -206,6 +228,13 @@ class Backend {
   // positions[s] (inverse: the conjugate rotation, for output de-rotation).
   virtual Status rope(const Tensor& x, int64_t head_dim, const Tensor& positions,
                       const RopeParams& p, bool inverse) = 0;
+  // rms_norm with the mean of squares summed in fp32 in torch's CPU order (8-lane vectors,
+  // four accumulators, at::native's cascade sum), as the official V4.1 reference computes
+  // it; pairs with MatmulMode::Sequential. Backends without it compute rms_norm.
+  virtual Status rms_norm_torch_order(const Tensor& x, const Tensor* weight, float eps, int64_t width,
+                                      const Tensor& y) {
+    return rms_norm(x, weight, eps, width, y);
+  }
   // y += x (same shape).
   virtual Status add(const Tensor& x, const Tensor& y) = 0;
   // x *= factor, in place.

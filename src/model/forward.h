@@ -45,6 +45,9 @@ struct V41Step {
   std::vector<backend::Tensor> selection; // per block: I32 [n, top-k] (index sources)
   backend::Tensor candidates;             // I32 [n, topk_blocks]
   std::vector<std::vector<float>> engram_rows;  // per Engram layer: [n][columns][dim]
+  // DSpark's main hidden (§3.7), when asked for: F32 [n, targets * hidden], column block t
+  // = the mean over the streams of target layer t's input (after its Engram).
+  backend::Tensor dspark_hidden;
 };
 
 struct ForwardPass {
@@ -95,6 +98,34 @@ struct ForwardPass {
   Status compress_v41(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;
   Status indexer_v41(const LayerPlan& layer, const backend::Tensor& x, const backend::Tensor& qr,
                      const Step& step) const;
+  // V4.1's fp32 mode computes as the official reference does on the CPU (fma chains in
+  // input order, torch's fp32 norm sums): its QAT roundings flip on last-bit differences
+  // (tiny-v41's decode: one FP8 code at layer 0). The fast mode stays as it is.
+  backend::MatmulMode v41_mode(backend::MatmulMode m) const {
+    return m == backend::MatmulMode::Exact ? backend::MatmulMode::Sequential : m;
+  }
+  // The products the reference always computes in fp32 (routers, mixes, compressors).
+  backend::MatmulMode v41_exact() const {
+    return opt.matmul == backend::MatmulMode::Exact ? backend::MatmulMode::Sequential : backend::MatmulMode::Exact;
+  }
+  Status v41_norm(const backend::Tensor& x, const backend::Tensor* weight, int64_t width,
+                  const backend::Tensor& y) const {
+    return opt.matmul == backend::MatmulMode::Exact ? be.rms_norm_torch_order(x, weight, c.rms_eps, width, y)
+                                                    : be.rms_norm(x, weight, c.rms_eps, width, y);
+  }
+
+  // DSpark (dspark.cpp; §3.7). Writes block `layer`'s stream mean into v41->dspark_hidden
+  // when the block is a target layer.
+  Status dspark_target(const LayerPlan& layer, const backend::Tensor& streams, const Step& step) const;
+  // main_x = main_norm(main_proj(hidden)) for the step's rows (their DSpark positions);
+  // every stage's ring gets kv_norm(wkv(main_x)), rotated there and FP8-rounded in QAT.
+  Result<backend::Tensor> dspark_seed(const backend::Tensor& main_hidden, const Step& step) const;
+  // One draft block per sequence of `step` (rows: anchor then noise tokens at the
+  // positions after the seeded one): the stages, then the last FFN-pre collapse h
+  // [rows, hidden] and the shared head's logits on norm(h).
+  struct DsparkOut { backend::Tensor h, logits; };
+  Result<DsparkOut> dspark_draft(const Step& step) const;
+
   // The final collapse with the last FFN `pre` (rows `pre` of the same rows as streams),
   // final norm and logits.
   Result<backend::Tensor> head_v41(const backend::Tensor& pre, const backend::Tensor& streams) const;

@@ -41,7 +41,7 @@ Status ForwardPass::engram(const LayerPlan& layer, const Tensor& streams, const 
   DSV4_ASSIGN_OR_RETURN(Tensor e, f32({n, in}));
   DSV4_TRY(be.upload(e, rows.data(), rows.size() * sizeof(float)));
   DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, bw.engram.kv.rows()}));
-  DSV4_TRY(be.matmul(bw.engram.kv, e, kv, MatmulMode::Exact));
+  DSV4_TRY(be.matmul(bw.engram.kv, e, kv, v41_exact()));
   DSV4_TRY(note(layer.block, "engram_kv", kv));
   DSV4_ASSIGN_OR_RETURN(Tensor gate, f32({n, static_cast<int64_t>(c.hc_mult)}));
   DSV4_TRY(be.engram_gate(streams, kv, bw.engram.q, bw.engram.k, static_cast<int>(c.hc_mult), c.rms_eps, gate));
@@ -61,10 +61,11 @@ Status ForwardPass::block_v41(const LayerPlan& layer, const Tensor& streams, con
   } scope{be, be.scratch_mark()};
 
   if (layer.engram >= 0) DSV4_TRY(engram(layer, streams, step));
+  if (v41->dspark_hidden.valid() && !layer.mtp) DSV4_TRY(dspark_target(layer, streams, step));
 
   const auto mix = [&](const HcSite& site, Tensor& pre, HcMix& m) -> Status {
     DSV4_ASSIGN_OR_RETURN(Tensor mixes, f32({n, static_cast<int64_t>(c.hc_dim())}));
-    DSV4_TRY(be.matmul(site.fn, streams, mixes, MatmulMode::Exact));
+    DSV4_TRY(be.matmul(site.fn, streams, mixes, v41_exact()));
     DSV4_ASSIGN_OR_RETURN(pre, f32({n, hc}));
     DSV4_ASSIGN_OR_RETURN(m.post, f32({n, hc}));
     DSV4_ASSIGN_OR_RETURN(m.comb, f32({n, hc * hc}));
@@ -80,7 +81,7 @@ Status ForwardPass::block_v41(const LayerPlan& layer, const Tensor& streams, con
   DSV4_TRY(note(b, "hc_attn_comb", attn_mix.comb));
   DSV4_ASSIGN_OR_RETURN(Tensor attn_in, f32({n, d}));
   DSV4_TRY(be.hc_collapse(streams, v41->pre, c.hc_mult, attn_in));
-  DSV4_TRY(be.rms_norm(attn_in, &bw.attn_norm, c.rms_eps, d, attn_in));
+  DSV4_TRY(v41_norm(attn_in, &bw.attn_norm, d, attn_in));
   DSV4_TRY(note(b, "attn_in", attn_in));
   DSV4_ASSIGN_OR_RETURN(Tensor attn_out, attention_v41(layer, attn_in, step));
   DSV4_TRY(note(b, "attn_out", attn_out));
@@ -94,7 +95,7 @@ Status ForwardPass::block_v41(const LayerPlan& layer, const Tensor& streams, con
   DSV4_TRY(note(b, "hc_ffn_comb", ffn_mix.comb));
   DSV4_ASSIGN_OR_RETURN(Tensor ffn_in, f32({n, d}));
   DSV4_TRY(be.hc_collapse(streams, attn_pre, c.hc_mult, ffn_in));
-  DSV4_TRY(be.rms_norm(ffn_in, &bw.ffn_norm, c.rms_eps, d, ffn_in));
+  DSV4_TRY(v41_norm(ffn_in, &bw.ffn_norm, d, ffn_in));
   DSV4_ASSIGN_OR_RETURN(Tensor ffn_out, moe(layer, ffn_in, step));
   DSV4_TRY(note(b, "ffn_out", ffn_out));
   DSV4_TRY(hc_post(ffn_out, ffn_mix, streams));
@@ -114,15 +115,15 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   const int64_t n = rows.n, hd = c.head_dim, heads = c.n_heads;
 
   DSV4_ASSIGN_OR_RETURN(Tensor qr, f32({n, static_cast<int64_t>(c.q_lora_rank)}));
-  DSV4_TRY(be.matmul(bw.q_a, x, qr, opt.matmul));
-  DSV4_TRY(be.rms_norm(qr, &bw.q_a_norm, c.rms_eps, qr.cols(), qr));
+  DSV4_TRY(be.matmul(bw.q_a, x, qr, v41_mode(opt.matmul)));
+  DSV4_TRY(v41_norm(qr, &bw.q_a_norm, qr.cols(), qr));
   DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * hd}));
-  DSV4_TRY(be.matmul(bw.q_b, qr, q, opt.matmul));  // no per-head norm in V4.1 (fixture: attn_out)
+  DSV4_TRY(be.matmul(bw.q_b, qr, q, v41_mode(opt.matmul)));  // no per-head norm in V4.1 (fixture: attn_out)
   DSV4_TRY(be.rope(q, hd, rows.positions, layer.rope, false));
 
   DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, hd}));
-  DSV4_TRY(be.matmul(bw.kv, x, kv, opt.matmul));
-  DSV4_TRY(be.rms_norm(kv, &bw.kv_norm, c.rms_eps, hd, kv));
+  DSV4_TRY(be.matmul(bw.kv, x, kv, v41_mode(opt.matmul)));
+  DSV4_TRY(v41_norm(kv, &bw.kv_norm, hd, kv));
   DSV4_TRY(be.rope(kv, hd, rows.positions, layer.rope, false));
   DSV4_TRY(note(b, "window_kv_prequant", kv));
   if (opt.qat) DSV4_TRY(be.round_fp8_blocks(kv, hd, 32));  // every dim, blocks of 32
@@ -132,6 +133,7 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   keys.window = c.sliding_window;
   keys.ring = cache.ring(layer.ring);
   keys.chunk = kv;
+  keys.draft_block = layer.mtp;  // a DSpark stage attends its seeded ring and the whole block
   if (layer.ratio) {
     if (layer.kv_source) DSV4_TRY(compress_v41(layer, x, step));
     if (layer.indexer) DSV4_TRY(indexer_v41(layer, x, qr, step));
@@ -141,16 +143,16 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   }
   DSV4_ASSIGN_OR_RETURN(Tensor o, f32({n, heads * hd}));
   DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o));
-  DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));
+  if (!layer.mtp) DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));  // drafts stay out
   DSV4_TRY(be.rope(o, hd, rows.positions, layer.rope, true));
 
   const int64_t groups = c.o_groups, rank = c.o_lora_rank, group_width = heads * hd / groups;
   DSV4_ASSIGN_OR_RETURN(Tensor u, f32({n, groups * rank}));
   for (int64_t g = 0; g < groups; ++g)
     DSV4_TRY(be.matmul(bw.out_a.slice(g * rank, rank), o.columns(g * group_width, group_width),
-                       u.columns(g * rank, rank), opt.matmul));
+                       u.columns(g * rank, rank), v41_mode(opt.matmul)));
   DSV4_ASSIGN_OR_RETURN(Tensor out, f32({n, static_cast<int64_t>(c.hidden)}));
-  DSV4_TRY(be.matmul(bw.out_b, u, out, opt.matmul));
+  DSV4_TRY(be.matmul(bw.out_b, u, out, v41_mode(opt.matmul)));
   return out;
 }
 
@@ -164,11 +166,11 @@ Status ForwardPass::compress_v41(const LayerPlan& layer, const Tensor& x, const 
   const backend::StepRows& rows = step.rows;
   const int64_t n = rows.n, hd = c.head_dim, dk = c.index_head_dim;
   DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, hd}));
-  DSV4_TRY(be.matmul(cw.kv, x, kv, MatmulMode::Exact));
+  DSV4_TRY(be.matmul(cw.kv, x, kv, v41_exact()));
   Tensor score = kv;  // ratio 1: one row per group, its softmax weight is exactly 1
   if (layer.ratio > 1) {
     DSV4_ASSIGN_OR_RETURN(score, f32({n, hd}));
-    DSV4_TRY(be.matmul(cw.gate, x, score, MatmulMode::Exact));
+    DSV4_TRY(be.matmul(cw.gate, x, score, v41_exact()));
   }
   DSV4_ASSIGN_OR_RETURN(Tensor no_ape, f32({static_cast<int64_t>(layer.ratio), hd}));
   DSV4_TRY(be.fill(no_ape, 0.0f));
@@ -176,13 +178,13 @@ Status ForwardPass::compress_v41(const LayerPlan& layer, const Tensor& x, const 
   DSV4_TRY(be.fill(latent, 0.0f));
   DSV4_TRY(be.compress(kv, score, no_ape, layer.ratio, false, rows, cache.state_kv(layer.kv_state),
                        cache.state_score(layer.kv_state), latent));
-  DSV4_TRY(be.rms_norm(latent, &cw.norm, c.rms_eps, hd, latent));
+  DSV4_TRY(v41_norm(latent, &cw.norm, hd, latent));
   DSV4_ASSIGN_OR_RETURN(Tensor first_pos, i32({n}));
   DSV4_TRY(be.block_positions(rows, layer.ratio, first_pos));
 
   DSV4_ASSIGN_OR_RETURN(Tensor key, f32({n, dk}));
-  DSV4_TRY(be.matmul(bw.index_k, latent, key, MatmulMode::Exact));
-  DSV4_TRY(be.rms_norm(key, &bw.index_k_norm, c.rms_eps, dk, key));
+  DSV4_TRY(be.matmul(bw.index_k, latent, key, v41_exact()));
+  DSV4_TRY(v41_norm(key, &bw.index_k_norm, dk, key));
   DSV4_TRY(be.rope(key, dk, first_pos, layer.rope, false));
   DSV4_TRY(note_entries(b, "index_k_prequant", key, layer.ratio, step));
   if (opt.qat) DSV4_TRY(be.round_fp4_blocks(key, 32));
@@ -205,11 +207,11 @@ Status ForwardPass::indexer_v41(const LayerPlan& layer, const Tensor& x, const T
   const backend::StepRows& rows = step.rows;
   const int64_t n = rows.n, heads = c.index_heads, dk = c.index_head_dim;
   DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * dk}));
-  DSV4_TRY(be.matmul(bw.index_q_b, qr, q, opt.matmul));
+  DSV4_TRY(be.matmul(bw.index_q_b, qr, q, v41_mode(opt.matmul)));
   DSV4_TRY(be.rope(q, dk, rows.positions, layer.rope, false));
   if (opt.qat) DSV4_TRY(be.round_fp4_blocks(q, 32));
   DSV4_ASSIGN_OR_RETURN(Tensor weights, f32({n, heads}));
-  DSV4_TRY(be.matmul(bw.index_proj, x, weights, MatmulMode::Exact));
+  DSV4_TRY(be.matmul(bw.index_proj, x, weights, v41_exact()));
   DSV4_TRY(be.scale(weights, static_cast<float>(1.0 / std::sqrt(double(dk)) / std::sqrt(double(heads)))));
 
   const int64_t max_visible = std::max<int64_t>(rows.max_end / layer.ratio, 1);
@@ -231,9 +233,9 @@ Result<Tensor> ForwardPass::head_v41(const Tensor& pre, const Tensor& streams) c
   DSV4_ASSIGN_OR_RETURN(Tensor h, f32({n, d}));
   DSV4_TRY(be.hc_collapse(streams, pre, c.hc_mult, h));
   if (trace) DSV4_TRY(trace->record("final_hidden", h));
-  DSV4_TRY(be.rms_norm(h, &w.output_norm, c.rms_eps, d, h));
+  DSV4_TRY(v41_norm(h, &w.output_norm, d, h));
   DSV4_ASSIGN_OR_RETURN(Tensor logits, f32({n, static_cast<int64_t>(c.vocab_size)}));
-  DSV4_TRY(be.matmul(w.output, h, logits, opt.matmul));
+  DSV4_TRY(be.matmul(w.output, h, logits, v41_mode(opt.matmul)));
   return logits;
 }
 

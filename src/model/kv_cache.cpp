@@ -39,6 +39,45 @@ std::vector<int64_t> shape2(int64_t rows, int64_t cols) { return {rows, cols}; }
 
 }  // namespace
 
+KvCacheBytes KvCache::plan_bytes(const ModelConfig& c, const ModelPlan& plan, const KvCacheOptions& o) {
+  // The same arithmetic as create(), part by part.
+  KvCacheBytes b;
+  const uint64_t slots = o.max_sequences, P = std::max<uint32_t>(o.page_rows, 1);
+  const uint64_t max_context = o.max_context ? std::min<uint64_t>(o.max_context, c.context_length) : c.context_length;
+  b.slots = slots * plan.n_rings * plan.window * plan.ring_width * sizeof(float);
+  for (const CompressorStatePlan& s : plan.states) b.slots += 2 * slots * s.rows * s.cols * sizeof(float);
+  std::map<uint32_t, uint64_t> full_pages;
+  for (const CacheListPlan& l : plan.lists) {
+    const uint64_t max_pages =
+        std::max<uint64_t>(static_cast<uint64_t>(ceil_div(static_cast<int64_t>(max_context) / l.ratio, P)), 1);
+    b.tables += (slots * max_pages + slots) * sizeof(int32_t);
+    full_pages[l.width] += slots * max_pages;
+  }
+  uint64_t full_bytes = 0;
+  for (auto [width, pages] : full_pages) full_bytes += pages * P * width * sizeof(float);
+  for (auto [width, pages] : full_pages) {
+    const uint64_t n_pages = o.pool_bytes == 0 || full_bytes == 0
+                                 ? pages
+                                 : std::max<uint64_t>(1, static_cast<uint64_t>(static_cast<double>(o.pool_bytes) *
+                                                                               static_cast<double>(pages) /
+                                                                               static_cast<double>(full_bytes)));
+    b.pages += n_pages * P * width * sizeof(float);
+  }
+  return b;
+}
+
+KvCacheBytes KvCache::allocated_bytes() const {
+  // Every tensor here is F32 or I32.
+  const auto tensor_bytes = [](const Tensor& t) { return static_cast<uint64_t>(t.rows()) * t.cols() * 4; };
+  KvCacheBytes b;
+  for (const Tensor& t : rings_) b.slots += tensor_bytes(t);
+  for (size_t s = 0; s < states_kv_.size(); ++s)
+    b.slots += tensor_bytes(states_kv_[s]) + tensor_bytes(states_score_[s]);
+  for (const ListTable& t : tables_) b.tables += tensor_bytes(t.device) + tensor_bytes(t.first_row);
+  for (const auto& p : pools_) b.pages += tensor_bytes(p->data);
+  return b;
+}
+
 KvCache::KvCache(const ModelPlan& plan, backend::Backend& be) : plan_(plan), be_(be) {}
 KvCache::~KvCache() = default;
 

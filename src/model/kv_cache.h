@@ -46,8 +46,20 @@ struct SlotSnapshot {
   EngramHasher::History engram_history;    // V4.1: the n-gram look-back
 };
 
+// What create() allocates, by part (device memory planning, model/device_plan.h).
+struct KvCacheBytes {
+  uint64_t slots = 0;   // window rings and compressor states of every slot
+  uint64_t tables = 0;  // page tables
+  uint64_t pages = 0;   // the page pools
+  uint64_t total() const { return slots + tables + pages; }
+};
+
 class KvCache {
  public:
+  // The bytes create() would allocate with these options, without allocating.
+  static KvCacheBytes plan_bytes(const ModelConfig& config, const ModelPlan& plan, const KvCacheOptions& options);
+  // The bytes this cache allocated (equal to plan_bytes of its options).
+  KvCacheBytes allocated_bytes() const;
   static Result<std::unique_ptr<KvCache>> create(const ModelConfig& config, const ModelPlan& plan,
                                                  backend::Backend& backend, const KvCacheOptions& options);
   ~KvCache();

@@ -76,6 +76,16 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& path, backend::Bac
   m->plan_ = ModelPlan::build(m->config_);
   m->options_ = options;
   m->backend_ = &backend;
+  // A device commits memory at allocation: refuse what cannot fit before allocating any.
+  const backend::DeviceMemoryState device = backend.device_memory();
+  const uint64_t capacity = options.device_memory ? options.device_memory
+                                                  : device.free_bytes ? device.free_bytes + device.scratch_bytes : 0;
+  // A capacity given for the CPU plans as a device would hold the step: its first arena chunk.
+  const uint64_t scratch = device.free_bytes     ? device.scratch_bytes
+                           : options.device_memory ? backend::kDefaultDeviceScratchBytes + backend::kDeviceWorkspaceBytes
+                                                   : 0;
+  m->memory_plan_ = plan_device_memory(m->config_, m->plan_, m->files_->tensors(), options.cache, scratch, capacity);
+  DSV4_TRY(check_device_fit(m->memory_plan_, path));
   DSV4_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::load(*m->files_, backend));
   m->weights_ = std::make_unique<ModelWeights>(std::move(weights));
   DSV4_ASSIGN_OR_RETURN(m->cache_, KvCache::create(m->config_, m->plan_, backend, options.cache));
@@ -293,11 +303,18 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
     DSV4_ASSIGN_OR_RETURN(auto engram_rows, gather_engram(items, tokens));
     fp.v41 = &v41;
     DSV4_TRY(fp.v41_begin(step, std::move(engram_rows)));
+    const bool keep = std::any_of(batch.begin(), batch.end(), [](const BatchItem& it) { return it.keep_streams; });
+    if (config_.dspark && config_.n_mtp > 0 && (keep || trace)) {
+      const int64_t width = static_cast<int64_t>(config_.dspark->target_layers.size()) * config_.hidden;
+      DSV4_ASSIGN_OR_RETURN(v41.dspark_hidden, fp.f32({step.rows.n, width}));
+    }
     for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block_v41(plan_.layers[b], streams, step));
   } else {
     for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block(plan_.layers[b], streams, step));
   }
   if (trace) DSV4_TRY(trace->record("final_streams", streams));
+  if (trace && v41.dspark_hidden.valid()) DSV4_TRY(trace->record("dspark_main_hidden", v41.dspark_hidden));
+  const Tensor& kept = v41.dspark_hidden.valid() ? v41.dspark_hidden : streams;  // what keep_streams returns
   for (const StepItem& it : step.items) it.seq->position_ += it.n;
 
   // Logits for the rows asked for and the rows that sample.
@@ -325,8 +342,9 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
     }
     if (bi.keep_streams) {
       const size_t at = out.streams.size();
-      out.streams.resize(at + it.n * width);
-      DSV4_TRY(backend_->download(streams.slice(it.row0, it.n), out.streams.data() + at, it.n * width * sizeof(float)));
+      const int64_t kw = kept.cols();
+      out.streams.resize(at + it.n * kw);
+      DSV4_TRY(backend_->download(kept.slice(it.row0, it.n), out.streams.data() + at, it.n * kw * sizeof(float)));
     }
   }
   const int64_t n_out = static_cast<int64_t>(wanted.size());
@@ -404,7 +422,9 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
     int32_t* f = &seqs[i * backend::kSeqFields];
     f[backend::kSeqSlot] = static_cast<int32_t>(batch[0].sequence->slot());
     if (i >= n) {
-      append_sample_spec(SampleSpec{.temperature = 0}, static_cast<int32_t>(i), params, adjust);
+      SampleSpec greedy;  // padding rows of a bucket: greedy, nothing returned
+      greedy.temperature = 0;
+      append_sample_spec(greedy, static_cast<int32_t>(i), params, adjust);
       continue;
     }
     const Sequence& seq = *batch[i].sequence;
@@ -474,7 +494,7 @@ Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTra
                                       std::vector<float>* streams_out) const {
   if (!has_mtp()) return Status::error("mtp: the model has no MTP block");
   if (config_.is_v41())
-    return Status::error("mtp: the V4.1 DSpark draft stages are not implemented in this build (the trunk is)");
+    return Status::error("mtp: a V4.1 model drafts with its DSpark stages (Model::dspark), not an MTP block");
   if (batch.empty()) return Status::error("mtp: empty batch");
   const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
   const uint32_t b = config_.n_layers;  // the (first) MTP block
@@ -519,6 +539,115 @@ Result<std::vector<float>> Model::mtp(std::span<const MtpItem> batch, ForwardTra
   std::vector<float> host(step.rows.n * config_.vocab_size);
   DSV4_TRY(backend_->download(logits, host.data(), host.size() * sizeof(float)));
   return host;
+}
+
+Result<std::vector<DsparkDraft>> Model::dspark(std::span<const DsparkItem> batch, ForwardTrace* trace) const {
+  if (!config_.is_v41() || !config_.dspark || config_.n_mtp == 0)
+    return Status::error("dspark: the model has no DSpark draft stages");
+  if (batch.empty()) return Status::error("dspark: empty batch");
+  const DsparkConfig& ds = *config_.dspark;
+  const int64_t width = static_cast<int64_t>(ds.target_layers.size()) * config_.hidden, block = ds.block_size;
+  const int64_t d = config_.hidden, vocab = config_.vocab_size, rank = ds.markov_rank;
+  std::vector<StepItem> seeds, drafts;
+  std::vector<int32_t> seed_tokens, draft_tokens;
+  std::vector<float> hidden;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const DsparkItem& it = batch[i];
+    const int64_t n = width ? static_cast<int64_t>(it.main_hidden.size()) / width : 0;
+    if (!it.sequence || n == 0 || static_cast<int64_t>(it.main_hidden.size()) != n * width)
+      return Status::errorf("dspark: item {}: {} main-hidden values (expected a multiple of {})", i,
+                            it.main_hidden.size(), width);
+    if (it.sequence->cache_ != cache_.get())
+      return Status::errorf("dspark: item {}: the sequence belongs to another model", i);
+    if (!it.sequence->with_mtp()) return Status::errorf("dspark: item {}: the sequence was created without with_mtp", i);
+    for (size_t j = 0; j < i; ++j)
+      if (batch[j].sequence == it.sequence) return Status::errorf("dspark: items {} and {} share one sequence", j, i);
+    const int64_t pos = it.sequence->mtp_position();
+    if (static_cast<uint64_t>(pos + n) > it.sequence->max_context())
+      return Status::errorf(StatusCode::kOutOfRange, "dspark: item {}: {} rows at position {} exceed the context of {}",
+                            i, n, pos, it.sequence->max_context());
+    if (it.anchor < -1 || it.anchor >= static_cast<int32_t>(vocab))
+      return Status::errorf(StatusCode::kOutOfRange, "dspark: item {}: anchor token {} outside the vocabulary of {}", i,
+                            it.anchor, vocab);
+    if (it.anchor >= 0) DSV4_TRY(refuse_image_tokens(config_, std::span<const int32_t>(&it.anchor, 1))
+                                     .with_context(fmt::format("dspark: item {}", i)));
+    seeds.push_back({it.sequence, static_cast<int64_t>(seed_tokens.size()), n, pos});
+    seed_tokens.insert(seed_tokens.end(), static_cast<size_t>(n), 0);  // rows carry no token
+    hidden.insert(hidden.end(), it.main_hidden.begin(), it.main_hidden.end());
+    if (it.anchor >= 0) {
+      // The block sits after the last seeded row: its RoPE positions only, nothing is stored.
+      drafts.push_back({it.sequence, static_cast<int64_t>(draft_tokens.size()), block, pos + n});
+      draft_tokens.push_back(it.anchor);
+      draft_tokens.insert(draft_tokens.end(), static_cast<size_t>(block - 1), static_cast<int32_t>(ds.noise_token_id));
+    }
+  }
+  const ForwardPass fp{config_, plan_, *weights_, options_, *backend_, *cache_, trace, steering()};
+  backend_->begin_step();
+  DSV4_ASSIGN_OR_RETURN(Step seed_step, fp.make_step(seeds, seed_tokens));
+  DSV4_ASSIGN_OR_RETURN(Tensor main_hidden, fp.f32({seed_step.rows.n, width}));
+  DSV4_TRY(backend_->upload(main_hidden, hidden.data(), hidden.size() * sizeof(float)));
+  DSV4_TRY(fp.dspark_seed(main_hidden, seed_step).status());
+  for (const StepItem& it : seeds) it.seq->mtp_position_ += it.n;
+
+  std::vector<DsparkDraft> out(batch.size());
+  if (drafts.empty()) return out;
+  DSV4_ASSIGN_OR_RETURN(Step step, fp.make_step(drafts, draft_tokens));
+  V41Step v41;
+  ForwardPass draft_fp = fp;
+  draft_fp.v41 = &v41;
+  DSV4_ASSIGN_OR_RETURN(ForwardPass::DsparkOut drafted, draft_fp.dspark_draft(step));
+  std::vector<float> logits(static_cast<size_t>(step.rows.n * vocab));
+  DSV4_TRY(backend_->download(drafted.logits, logits.data(), logits.size() * sizeof(float)));
+
+  // The Markov head walks each block left to right: slot i adds the bias of the token
+  // before it (the anchor, then the previous greedy draft) and its embedding feeds the
+  // confidence head with the slot's pre-norm hidden.
+  const int64_t m = static_cast<int64_t>(drafts.size());
+  std::vector<int32_t> prev(m);
+  for (int64_t k = 0; k < m; ++k) prev[k] = draft_tokens[drafts[k].row0];
+  std::vector<std::vector<int32_t>> tokens(m);
+  std::vector<std::vector<float>> confidence(m);
+  std::vector<float> bias(static_cast<size_t>(m * vocab)), conf(m);
+  for (int64_t i = 0; i < block; ++i) {
+    DSV4_ASSIGN_OR_RETURN(Tensor ids, fp.upload_i32(prev, {m}));
+    DSV4_ASSIGN_OR_RETURN(Tensor embed, fp.f32({m, rank}));
+    DSV4_TRY(backend_->get_rows(weights_->dspark.markov_embd, ids, embed));
+    DSV4_ASSIGN_OR_RETURN(Tensor b, fp.f32({m, vocab}));
+    DSV4_TRY(backend_->matmul(weights_->dspark.markov_head, embed, b, fp.v41_exact()));
+    std::vector<int32_t> slot_rows(m);
+    for (int64_t k = 0; k < m; ++k) slot_rows[k] = static_cast<int32_t>(drafts[k].row0 + i);
+    DSV4_ASSIGN_OR_RETURN(Tensor rows_t, fp.upload_i32(slot_rows, {m}));
+    DSV4_ASSIGN_OR_RETURN(Tensor joined, fp.f32({m, d + rank}));
+    DSV4_ASSIGN_OR_RETURN(Tensor h, fp.f32({m, d}));
+    DSV4_TRY(backend_->get_rows(drafted.h, rows_t, h));
+    DSV4_TRY(backend_->copy_rows(h, joined.columns(0, d)));
+    DSV4_TRY(backend_->copy_rows(embed, joined.columns(d, rank)));
+    DSV4_ASSIGN_OR_RETURN(Tensor c, fp.f32({m, 1}));
+    DSV4_TRY(backend_->matmul(weights_->dspark.conf_proj, joined, c, fp.v41_exact()));
+    DSV4_TRY(backend_->download(b, bias.data(), bias.size() * sizeof(float)));
+    DSV4_TRY(backend_->download(c, conf.data(), conf.size() * sizeof(float)));
+    for (int64_t k = 0; k < m; ++k) {
+      float* row = logits.data() + (drafts[k].row0 + i) * vocab;
+      int32_t best = 0;  // greedy: the lowest id among equal maxima
+      for (int64_t v = 0; v < vocab; ++v) {
+        row[v] += bias[k * vocab + v];
+        if (row[v] > row[best]) best = static_cast<int32_t>(v);
+      }
+      prev[k] = best;
+      tokens[k].push_back(best);
+      confidence[k].push_back(conf[k]);
+    }
+  }
+  for (size_t i = 0, k = 0; i < batch.size(); ++i) {
+    if (batch[i].anchor < 0) continue;
+    DsparkDraft& o = out[i];
+    o.tokens = std::move(tokens[k]);
+    o.confidence = std::move(confidence[k]);
+    const float* first = logits.data() + drafts[k].row0 * vocab;
+    o.logits.assign(first, first + block * vocab);
+    ++k;
+  }
+  return out;
 }
 
 Result<std::vector<float>> Model::prefill(Sequence& seq, std::span<const int32_t> tokens,

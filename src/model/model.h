@@ -30,6 +30,7 @@
 #include "backend/backend.h"
 #include "model/cache.h"
 #include "model/config.h"
+#include "model/device_plan.h"
 #include "model/engram.h"
 #include "model/engram_table.h"
 #include "model/kv_cache.h"
@@ -61,6 +62,10 @@ struct ModelOptions {
   // (tests: the padding must not change any token).
   bool graphs = true;
   bool decode_buckets = false;
+  // Device memory the weights, caches and scratch must fit in (model/device_plan.h),
+  // checked before anything is allocated; 0: the backend's free device memory, and
+  // nothing to check on the CPU. Set, it is checked on any backend (tests, --device-memory).
+  uint64_t device_memory = 0;
 };
 
 // A token adjustment before sampling (penalties, logit bias): x = x > 0 ? x / repetition :
@@ -100,7 +105,9 @@ struct ForwardOutput {
   int64_t rows = 0;
   // One per batch item: the sampled token, or -1 for an item without a SampleSpec.
   std::vector<int32_t> tokens;
-  // For keep_streams items, every token, in batch order: [tokens, hc_mult * hidden].
+  // For keep_streams items, every token, in batch order: [tokens, hc_mult * hidden]; on a
+  // V4.1 model with DSpark stages, the DSpark main hidden instead (DsparkItem):
+  // [tokens, targets * hidden].
   std::vector<float> streams;
 };
 
@@ -110,6 +117,22 @@ struct MtpItem {
   Sequence* sequence = nullptr;
   std::span<const float> streams;        // [n, hc_mult * hidden]
   std::span<const int32_t> next_tokens;  // [n]
+};
+
+// One DSpark call (V4.1, shared/spec/deepseek-v41.md §3.7): the main hidden of trunk
+// rows at positions mtp_position()... (ForwardOutput::streams of a keep_streams item),
+// which seeds every stage's window; with an anchor (the token after the last row), a
+// block of drafts follows that row.
+struct DsparkItem {
+  Sequence* sequence = nullptr;
+  std::span<const float> main_hidden;  // [n, targets * hidden]
+  int32_t anchor = -1;                 // -1: seed only (the prefill call)
+};
+// A drafted block after position p (the last seeded row; the anchor sits at p + 1).
+struct DsparkDraft {
+  std::vector<int32_t> tokens;    // [block]: greedy drafts for positions p + 2 ...
+  std::vector<float> logits;      // [block, vocab]: shared head + Markov bias of the slot's previous token
+  std::vector<float> confidence;  // [block]: the confidence head per slot
 };
 
 // The mutable parts of a sequence's state at one position (Model::snapshot): window
@@ -156,6 +179,10 @@ class Model {
   Result<std::vector<float>> mtp(std::span<const MtpItem> batch, ForwardTrace* trace = nullptr,
                                  std::vector<float>* streams_out = nullptr) const;
 
+  // V4.1's DSpark stages: seeds each item's rows, then drafts a block for every item with
+  // an anchor (one result per item, empty without). The sequence needs with_mtp.
+  Result<std::vector<DsparkDraft>> dspark(std::span<const DsparkItem> batch, ForwardTrace* trace = nullptr) const;
+
   // An independent copy of seq's whole state (same position; later forwards on either do
   // not affect the other), charged to the same budget; compressed rows are shared until
   // one of them writes (copy on write).
@@ -181,6 +208,8 @@ class Model {
 
   const ModelPlan& plan() const { return plan_; }
   KvCache& cache() const { return *cache_; }
+  // Device memory at load, by part (capacity 0 on the CPU without ModelOptions::device_memory).
+  const DeviceMemoryPlan& memory_plan() const { return memory_plan_; }
 
   // Activation steering (steering.h): binds the file's directions (all, or those of
   // `layers`), each normalised once in double for project mode, at strength `alpha` (the
@@ -224,6 +253,7 @@ class Model {
   backend::Backend* backend_ = nullptr;
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<KvCache> cache_;
+  DeviceMemoryPlan memory_plan_;
   std::unique_ptr<EngramHasher> engram_hasher_;  // V4.1
   std::vector<EngramTable> engram_tables_;      // V4.1: read on demand, never resident
   std::optional<Steering> steering_;

@@ -8,9 +8,11 @@ using backend::Tensor;
 Result<Tensor> ForwardPass::moe(const LayerPlan& layer, const Tensor& x, const Step& step) const {
   const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
-  const int64_t n = step.rows.n, k = c.n_experts_used;
-  DSV4_ASSIGN_OR_RETURN(Tensor logits, f32({n, static_cast<int64_t>(c.n_experts)}));
-  DSV4_TRY(be.matmul(bw.gate_inp, x, logits, backend::MatmulMode::Exact));  // fp32 router
+  const int64_t n = step.rows.n, k = c.experts_used_of(b);  // DSpark stages: their own counts
+  DSV4_ASSIGN_OR_RETURN(Tensor logits, f32({n, static_cast<int64_t>(c.experts_of(b))}));
+  const backend::MatmulMode exact = c.is_v41() ? v41_exact() : backend::MatmulMode::Exact;
+  const backend::MatmulMode mode = c.is_v41() ? v41_mode(opt.matmul) : opt.matmul;
+  DSV4_TRY(be.matmul(bw.gate_inp, x, logits, exact));  // fp32 router
   DSV4_ASSIGN_OR_RETURN(Tensor experts, i32({n, k}));
   DSV4_ASSIGN_OR_RETURN(Tensor weights, f32({n, k}));
   const bool hash = layer.hash_routing;
@@ -23,9 +25,9 @@ Result<Tensor> ForwardPass::moe(const LayerPlan& layer, const Tensor& x, const S
   DSV4_ASSIGN_OR_RETURN(Tensor y, f32({n, static_cast<int64_t>(c.hidden)}));
   DSV4_TRY(be.fill(y, 0.0f));
   DSV4_TRY(be.moe_experts(x, bw.gate_exps, bw.up_exps, bw.down_exps, experts, weights,
-                          layer.swiglu_limit, opt.matmul, y));
+                          layer.swiglu_limit, mode, y));
   DSV4_TRY(be.swiglu_expert(x, bw.gate_shexp, bw.up_shexp, bw.down_shexp,
-                            layer.swiglu_limit_shared, opt.matmul, y));
+                            layer.swiglu_limit_shared, mode, y));
   return y;
 }
 

@@ -32,6 +32,9 @@ struct SchedulerMetrics {
   uint64_t requests_rejected = 0, preemptions = 0;
   uint64_t prompt_tokens = 0, cached_prompt_tokens = 0, computed_tokens = 0, generated_tokens = 0;
   uint64_t steps = 0;
+  // Speculative decoding: verify steps (one per speculating request and step), draft
+  // tokens proposed and accepted.
+  uint64_t spec_steps = 0, spec_drafted = 0, spec_accepted = 0;
   uint64_t cache_bytes_used = 0, cache_bytes_limit = 0;  // the shared KV budget
   PrefixCacheStats prefix;
   uint64_t replayed_turns = 0;

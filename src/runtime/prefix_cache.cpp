@@ -93,6 +93,7 @@ Result<std::unique_ptr<Sequence>> PrefixCache::make_sequence(float steering_alph
   so.max_context = max_context_;
   so.shared_budget = budget_;
   so.graft = opt_.graft;
+  so.with_mtp = opt_.with_mtp;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, model_.new_sequence(so));
   seq->set_steering_alpha(steering_alpha);
   return seq;
@@ -380,6 +381,7 @@ Result<std::shared_ptr<CacheEntry>> PrefixCache::load(const DiskEntry& d, const 
   SequenceOptions so;
   so.max_context = max_context_;
   so.shared_budget = budget_;
+  so.with_mtp = opt_.with_mtp;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq,
                         with_room([&] { return model_.import_sequence(state, so); }, keep));
   if (seq->position() != static_cast<int64_t>(tokens.size()))

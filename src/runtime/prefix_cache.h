@@ -43,6 +43,8 @@ struct PrefixCacheOptions {
   // graft's footprint; grafted sequences are never persisted (their first rows are the
   // graft's), so no file is written or read.
   std::shared_ptr<const KvGraft> graft;
+  // Sequences keep the MTP blocks' windows (speculative decoding, SchedulerOptions).
+  bool with_mtp = false;
 };
 
 // One cached sequence and the tokens in it.
@@ -57,6 +59,12 @@ struct CacheEntry {
   std::map<int64_t, SequenceSnapshot> snapshots;
   uint64_t snapshot_bytes = 0;  // charged to the budget
   bool busy = false;            // leased to a running request
+  // Speculative decoding: the trunk's final streams at positions seq->mtp_position() ..
+  // mtp_streams_end - 1, the MTP block's inputs it has not taken yet (their next tokens are
+  // the request's own); valid only while mtp_streams_end == seq->position() (a restore or a
+  // fork loses them; a request that continues the entry then decodes without drafts).
+  std::vector<float> mtp_streams;
+  int64_t mtp_streams_end = -1;
   uint64_t last_use = 0;
 
  private:

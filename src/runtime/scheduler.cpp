@@ -48,6 +48,15 @@ struct Scheduler::Active {
   std::vector<TokenLogprob> pending_logprobs;
   Clock::time_point submitted, last_token;
   double ttft = -1;
+  // Speculative decoding: whether this request may draft (no grammar, no log-probabilities),
+  // whether its MTP block has taken every input before mtp_streams, and those: the trunk's
+  // final streams at positions seq->mtp_position() .. seq->position() - 1 (the next token
+  // of position p is tokens[p + 1]). draft keeps k, the acceptance and the counts.
+  bool spec_eligible = false;
+  bool mtp_ready = false;
+  std::vector<float> mtp_streams;
+  SpecSequence draft;
+  uint64_t spec_step = 0;  // the step that last verified for it
 };
 
 Scheduler::Scheduler(const Model& model, const text::Tokenizer& tokenizer, SchedulerOptions options)
@@ -56,6 +65,11 @@ Scheduler::Scheduler(const Model& model, const text::Tokenizer& tokenizer, Sched
   footprint_ = opt_.prefix.graft ? opt_.prefix.graft->footprint : 0;
   token_room_ = std::max<int64_t>(0, static_cast<int64_t>(opt_.max_context) - footprint_);
   budget_ = std::make_shared<CacheBudget>(opt_.kv_budget ? opt_.kv_budget : std::numeric_limits<uint64_t>::max() / 2);
+  if (opt_.speculative && (!model_.has_mtp() || opt_.prefix.graft)) opt_.speculative.reset();
+  opt_.prefix.with_mtp = opt_.speculative.has_value();
+  if (opt_.speculative) {
+    spec_ = std::make_unique<SpeculativeDecoder>(model_, *opt_.speculative);
+  }
   prefix_ = std::make_unique<PrefixCache>(model_, budget_, opt_.max_context, opt_.prefix);
   vocab_ = VocabTrie::build(tok_);
   think_end_ = tok_.find_token(text::kThinkEndText).value_or(-1);
@@ -96,7 +110,7 @@ std::shared_ptr<RequestHandle> Scheduler::submit(RequestSpec spec, Rejection* re
   if (spec.max_tokens < -1) return reject(Status::errorf("max_tokens = {} must be >= 0", spec.max_tokens));
   const int64_t max_tokens = spec.max_tokens < 0 ? ctx - n : spec.max_tokens;
   const int64_t need = footprint_ + std::min(ctx, n + max_tokens);
-  auto plan = CachePlan::compute(model_.config(), static_cast<uint64_t>(need), false);
+  auto plan = CachePlan::compute(model_.config(), static_cast<uint64_t>(need), spec_ != nullptr);
   if (!plan.is_ok()) return reject(plan.status());
   if (opt_.kv_budget && plan->total() > opt_.kv_budget)
     return reject(Status::errorf(StatusCode::kInvalidArgument,
@@ -113,6 +127,11 @@ std::shared_ptr<RequestHandle> Scheduler::submit(RequestSpec spec, Rejection* re
   r->in_reasoning = r->spec.thinking == text::ThinkingMode::kThinking;
   if (r->spec.parse_output) r->parser.emplace(r->spec.thinking, r->spec.tools);
   if (r->spec.grammar) r->grammar.emplace(r->spec.grammar, vocab_);
+  r->spec_eligible = spec_ && !r->spec.grammar && r->spec.top_logprobs < 0;
+  if (r->spec_eligible) {
+    r->draft.k = spec_->options().max_k;
+    r->draft.acceptance_ema = 0.8;  // as SpeculativeDecoder::start
+  }
   std::shared_ptr<RequestHandle> handle;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -162,6 +181,24 @@ bool Scheduler::admit() {
       continue;
     }
     r.entry = lease->entry;
+    // The MTP block can draft for this sequence only when it has taken every input so far
+    // or the entry kept the ones it has not (CacheEntry::mtp_streams).
+    r.mtp_ready = false;
+    r.mtp_streams.clear();
+    if (r.spec_eligible) {
+      const Sequence& seq = *r.entry->seq;
+      const size_t width = size_t{model_.config().hc_mult} * model_.config().hidden;
+      const auto rows = static_cast<int64_t>(r.entry->mtp_streams.size() / width);
+      if (seq.position() == 0) {
+        r.mtp_ready = true;
+      } else if (r.entry->mtp_streams_end == seq.position() && seq.mtp_position() + rows == seq.position() &&
+                 static_cast<size_t>(rows) * width == r.entry->mtp_streams.size()) {
+        r.mtp_ready = true;
+        r.mtp_streams = std::move(r.entry->mtp_streams);
+      }
+    }
+    r.entry->mtp_streams.clear();
+    r.entry->mtp_streams_end = -1;
     if (!r.admitted) {
       r.admitted = true;
       r.cached = lease->reused;
@@ -213,6 +250,10 @@ void Scheduler::finish(Active& r, FinishReason why, Status error) {
   ev.logprobs = std::move(r.pending_logprobs);
   const bool failed = !ev.error.is_ok();
   r.handle->push(std::move(ev));
+  if (r.entry && r.mtp_ready && !failed) {  // a later request may draft from here on
+    r.entry->mtp_streams = std::move(r.mtp_streams);
+    r.entry->mtp_streams_end = r.entry->seq->position();
+  }
   if (r.entry) {
     if (failed) prefix_->discard(r.entry);
     else prefix_->release(r.entry);
@@ -233,7 +274,6 @@ void Scheduler::preempt(Active& r) {
 }
 
 void Scheduler::sample(Active& r, std::span<const float> row) {
-  const auto now = Clock::now();
   if (r.generated >= r.max_tokens) return finish(r, FinishReason::kLength);
   // Tokens that may still come, this one included.
   const int64_t budget = std::min<int64_t>(r.max_tokens - r.generated,
@@ -299,6 +339,12 @@ void Scheduler::sample(Active& r, std::span<const float> row) {
     for (size_t i = 0; i < k; ++i) lp.top.push_back({idx[i], row[idx[i]] - lse});
     r.pending_logprobs.push_back(std::move(lp));
   }
+  commit(r, t);
+}
+
+void Scheduler::commit(Active& r, int32_t t) {
+  const auto now = Clock::now();
+  const int32_t eos = tok_.eos_id();
   ++r.generated;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -371,10 +417,14 @@ bool Scheduler::step() {
     Active* r;
     int64_t pos, n;
   };
-  auto build = [&] {
+  // Speculating requests: the request and the most drafts its rows may take.
+  std::vector<Active*> spec_rs;
+  std::vector<int> spec_k;
+  auto speculates = [&](const Active& r) { return spec_ && r.spec_eligible && r.mtp_ready; };
+  auto build = [&](bool with_spec) {
     std::vector<Active*> order;
     for (auto& r : running_)
-      if (!r->done && r->entry) order.push_back(r.get());
+      if (!r->done && r->entry && r->spec_step != step_no) order.push_back(r.get());
     std::sort(order.begin(), order.end(), [](const Active* a, const Active* b) {
       return a->spec.priority != b->spec.priority ? a->spec.priority > b->spec.priority : a->id < b->id;
     });
@@ -383,7 +433,16 @@ bool Scheduler::step() {
     std::vector<Active*> prefill;
     for (Active* r : order) {
       const int64_t pos = tokens_in(*r->entry->seq), pending = static_cast<int64_t>(r->tokens.size()) - pos;
-      if (pending == 1 && left > 0) {
+      if (pending == 1 && left > 0 && with_spec && speculates(*r)) {
+        // k + 1 rows; no draft past max_tokens (the last token of a step is not a draft) or
+        // the context.
+        const int64_t k = std::min({left - 1, r->max_tokens - r->generated - 1,
+                                    token_room_ - static_cast<int64_t>(r->tokens.size()) - 1,
+                                    int64_t{spec_->options().max_k}});
+        spec_rs.push_back(r);
+        spec_k.push_back(static_cast<int>(std::max<int64_t>(k, 0)));
+        left -= spec_k.back() + 1;
+      } else if (pending == 1 && left > 0 && !speculates(*r)) {
         items.push_back({r, pos, 1});
         --left;
       } else if (pending > 1) {
@@ -405,13 +464,17 @@ bool Scheduler::step() {
     return items;
   };
 
-  std::vector<Item> items = build();
+  std::vector<Item> items = build(true);
+  // The speculating requests first, in one verify forward; refused for memory, they join
+  // the plain batch below (without drafts from now on), where memory is made.
+  if (!spec_rs.empty() && !speculate(spec_rs, spec_k, step_no)) items = build(false);
   ForwardOutput out;
   for (;;) {
     if (items.empty()) break;
     std::vector<BatchItem> batch;
     for (const Item& it : items)
-      batch.push_back({it.r->entry->seq.get(), std::span<const int32_t>(it.r->tokens).subspan(it.pos, it.n), false, false});
+      batch.push_back({it.r->entry->seq.get(), std::span<const int32_t>(it.r->tokens).subspan(it.pos, it.n), false,
+                       speculates(*it.r)});
     Status s = model_.forward(batch, out);
     if (s.is_ok()) break;
     if (s.code() != StatusCode::kResourceExhausted) {
@@ -438,12 +501,26 @@ bool Scheduler::step() {
     } else {
       preempt(*victim);
     }
-    items = build();
+    items = build(false);
   }
   // Preempted requests go back to the queue (their order there is by priority and age).
   for (auto& r : running_)
     if (!r->done && !r->entry) waiting_.push_back(std::move(r));
   std::erase_if(running_, [](const auto& r) { return !r; });
+
+  // The MTP block's inputs of the computed positions, before any request can finish.
+  const size_t width = size_t{model_.config().hc_mult} * model_.config().hidden;
+  size_t stream_row = 0;
+  std::vector<Active*> feed;
+  for (const Item& it : items) {
+    if (!speculates(*it.r)) continue;
+    const auto* first = out.streams.data() + stream_row * width;
+    stream_row += static_cast<size_t>(it.n);
+    if (it.r->done) continue;
+    it.r->mtp_streams.insert(it.r->mtp_streams.end(), first, first + it.n * width);
+    feed.push_back(it.r);
+  }
+  if (!feed.empty()) feed_mtp(feed);
 
   const size_t vocab = model_.config().vocab_size;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -461,6 +538,105 @@ bool Scheduler::step() {
   }
   sweep();
   update_metrics();
+  return true;
+}
+
+void Scheduler::feed_mtp(std::span<Active* const> rs) {
+  const size_t width = size_t{model_.config().hc_mult} * model_.config().hidden;
+  std::vector<MtpItem> batch;
+  std::vector<Active*> fed;
+  for (Active* r : rs) {
+    const Sequence& seq = *r->entry->seq;
+    const int64_t rows = static_cast<int64_t>(r->mtp_streams.size() / width);
+    if (rows != seq.position() - seq.mtp_position()) {  // not expected: decode this one plainly
+      r->mtp_ready = false;
+      r->mtp_streams.clear();
+      continue;
+    }
+    if (rows < 2) continue;  // the last input waits for the step that drafts from it
+    const int64_t m = seq.mtp_position();
+    batch.push_back({r->entry->seq.get(), std::span<const float>(r->mtp_streams).first((rows - 1) * width),
+                     std::span<const int32_t>(r->tokens).subspan(m + 1, rows - 1)});
+    fed.push_back(r);
+  }
+  if (batch.empty()) return;
+  auto drafts = model_.mtp(batch);
+  for (Active* r : fed) {
+    if (!drafts.is_ok()) {  // the MTP block's state is unknown now: no drafts for these
+      r->mtp_ready = false;
+      r->mtp_streams.clear();
+      continue;
+    }
+    r->mtp_streams.erase(r->mtp_streams.begin(), r->mtp_streams.end() - static_cast<std::ptrdiff_t>(width));
+  }
+}
+
+bool Scheduler::speculate(std::span<Active* const> rs, std::span<const int> k, uint64_t step_no) {
+  std::vector<SpecSequence*> seqs;
+  std::vector<int64_t> base;
+  std::vector<int> wanted, plain_steps;
+  std::vector<SpecStats> before;
+  for (size_t i = 0; i < rs.size(); ++i) {
+    Active& r = *rs[i];
+    Sequence& seq = *r.entry->seq;
+    SpecSequence& d = r.draft;
+    d.sequence = &seq;
+    d.sampler = r.sampler;
+    d.pending = r.tokens.back();
+    d.mtp_streams = std::move(r.mtp_streams);
+    d.mtp_tokens.assign(r.tokens.begin() + seq.mtp_position() + 1, r.tokens.begin() + seq.position() + 1);
+    wanted.push_back(d.k);
+    plain_steps.push_back(d.plain_steps);
+    d.k = std::min(d.k, k[i]);
+    base.push_back(seq.position());
+    before.push_back(d.stats);
+    seqs.push_back(&d);
+  }
+  std::vector<std::vector<int32_t>> emitted;
+  const Status st = spec_->step(seqs, emitted);
+  if (!st.is_ok()) {
+    bool refused = st.code() == StatusCode::kResourceExhausted;
+    for (size_t i = 0; i < rs.size(); ++i) refused = refused && rs[i]->entry->seq->position() == base[i];
+    for (size_t i = 0; i < rs.size(); ++i) {
+      Active& r = *rs[i];
+      r.mtp_ready = false;  // the MTP block may have taken drafts: its state is unknown
+      r.mtp_streams.clear();
+      r.draft.mtp_streams.clear();
+      if (!refused) finish(r, FinishReason::kEos, st);
+    }
+    return refused;
+  }
+  for (size_t i = 0; i < rs.size(); ++i) {
+    Active& r = *rs[i];
+    SpecSequence& d = r.draft;
+    // A k cut to 0 by this step's limits (not by the acceptance) leaves the adaptive k be.
+    if (wanted[i] > 0 && k[i] == 0) {
+      d.k = wanted[i];
+      d.plain_steps = plain_steps[i];
+    }
+    r.spec_step = step_no;
+    r.mtp_streams = std::move(d.mtp_streams);
+    // The trunk took the pending token and the accepted drafts; the last token is pending.
+    const std::vector<int32_t>& e = emitted[i];
+    r.entry->tokens.push_back(r.tokens.back());
+    r.entry->tokens.insert(r.entry->tokens.end(), e.begin(), e.end() - 1);
+    prefix_->on_advance(*r.entry, r.prompt_len);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      metrics_.computed_tokens += static_cast<uint64_t>(d.stats.drafted - before[i].drafted + 1);
+      metrics_.spec_steps += 1;
+      metrics_.spec_drafted += static_cast<uint64_t>(d.stats.drafted - before[i].drafted);
+      metrics_.spec_accepted += static_cast<uint64_t>(d.stats.accepted - before[i].accepted);
+    }
+    for (int32_t t : e) {
+      if (r.generated >= r.max_tokens) {
+        finish(r, FinishReason::kLength);
+        break;
+      }
+      commit(r, t);
+      if (r.done) break;
+    }
+  }
   return true;
 }
 

@@ -24,6 +24,18 @@
 // back to the queue, to resume later by recomputing its tokens (bit-identical: the
 // forward pass does not depend on chunking) with its sampler state intact.
 //
+// Speculative decoding (options.speculative, speculative.h): a decoding request drafts
+// up to k tokens with the MTP block and verifies them in one batched forward with the
+// other speculating requests, each with its own k (adaptive) and acceptance; its k + 1
+// rows count against batch_tokens, and k never reaches past its max_tokens or context.
+// The verified tokens go through the same stop rules one by one (EOS, stop tokens and
+// strings, max_tokens), so nothing past a stop is emitted. Requests with a grammar or
+// log-probabilities decode without drafts (their tokens need every row's logits), as do
+// requests that continue a prefix whose MTP inputs were not kept (a restored snapshot, a
+// fork, a file) and, after a step refused for memory, the requests of that step. The MTP
+// block takes every prompt and output position as it is computed (prefill chunks
+// included), so a fresh or continued sequence can draft from its first decode step.
+//
 // Cancellation (RequestHandle::cancel) is seen at the start of the next step, which
 // frees the sequence (into the prefix cache). Thread-safe: submit(), stats() and the
 // handles from any thread; step() from one (start() runs it on its own thread).
@@ -35,6 +47,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -43,6 +56,7 @@
 #include "runtime/prefix_cache.h"
 #include "runtime/replay.h"
 #include "runtime/request.h"
+#include "runtime/speculative.h"
 #include "text/tokenizer.h"
 
 namespace dsv4::runtime {
@@ -54,6 +68,10 @@ struct SchedulerOptions {
   int64_t batch_tokens = 256;     // tokens per forward
   uint64_t kv_budget = 0;         // bytes for every sequence and snapshot; 0: unlimited
   PrefixCacheOptions prefix;      // its graft: planted in every sequence (kv_graft.h)
+  // MTP speculative decoding; absent: off. Ignored without an MTP block or with a graft
+  // (dsv4 serve refuses those). Its forced_draft (a test mode keyed by position alone) is
+  // meaningful with one speculating request at a time.
+  std::optional<SpecOptions> speculative;
 };
 
 // A rejection from submit(): the status, and for a full queue a retry estimate.
@@ -85,6 +103,11 @@ class Scheduler {
   bool admit();
   bool fits_now(const Active& r) const;
   void sample(Active& r, std::span<const float> logits);
+  void commit(Active& r, int32_t token);  // a chosen token: counted, stop rules, text
+  void feed_mtp(std::span<Active* const> rs);  // every MTP input but the last of each
+  // One speculative step for `rs` (k[i] drafts at most each); false when it was refused
+  // for memory before computing (the requests then decode without drafts).
+  bool speculate(std::span<Active* const> rs, std::span<const int> k, uint64_t step_no);
   void emit_text(Active& r, std::string_view text, RequestEvent& ev);
   void finish(Active& r, FinishReason why, Status error = Status::ok());
   void preempt(Active& r);
@@ -98,6 +121,7 @@ class Scheduler {
   int64_t token_room_ = 0;  // max_context - F: tokens a request's prompt and output may use
   std::shared_ptr<CacheBudget> budget_;
   std::unique_ptr<PrefixCache> prefix_;
+  std::unique_ptr<SpeculativeDecoder> spec_;  // when speculating
   std::shared_ptr<const VocabTrie> vocab_;
   ReplayStore replay_;
   int32_t think_end_ = -1;

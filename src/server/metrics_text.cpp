@@ -43,6 +43,12 @@ std::string prometheus_text(const runtime::SchedulerMetrics& m,
   metric(out, "dsv4_preemptions_total", "counter", "Requests preempted for memory (resumed later).",
          static_cast<double>(m.preemptions));
   metric(out, "dsv4_scheduler_steps_total", "counter", "Batches run.", static_cast<double>(m.steps));
+  metric(out, "dsv4_spec_verify_steps_total", "counter",
+         "Speculative decoding: verify steps (one per speculating request and batch).", static_cast<double>(m.spec_steps));
+  metric(out, "dsv4_spec_drafted_tokens_total", "counter", "Speculative decoding: draft tokens proposed by the MTP block.",
+         static_cast<double>(m.spec_drafted));
+  metric(out, "dsv4_spec_accepted_tokens_total", "counter", "Speculative decoding: draft tokens accepted.",
+         static_cast<double>(m.spec_accepted));
   histogram(out, "dsv4_time_to_first_token_seconds", "From submission to the first generated token.", m.time_to_first_token);
   histogram(out, "dsv4_time_per_output_token_seconds", "Between consecutive generated tokens of a request.",
             m.time_per_output_token);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -19,7 +20,6 @@ namespace dsv4::backend {
 namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 class CpuOps : public ::testing::Test {
  protected:
@@ -91,6 +91,81 @@ TEST_F(CpuOps, MatmulMatchesDoubleDotOverTypes) {
     }
     expect_close(read(y), want, 1e-4, ggml_type_name(type).data());
   }
+}
+
+// MatmulMode::Sequential: per output an fma chain from zero over each block of 192 inputs,
+// the block sums added in order (the V4.1 reference's sgemm order), bit for bit; close to
+// the double dot. K = 400 spans three blocks, 39 outputs leave a partial group of four.
+TEST_F(CpuOps, MatmulSequentialIsTheBlockedFmaChain) {
+  const int64_t n_in = 400, n_out = 39, n_rows = 3;
+  const std::vector<float> w = randn(n_in * n_out), x = randn(n_in * n_rows);
+  for (GgmlType type : {GgmlType::F32, GgmlType::BF16}) {
+    const size_t row_bytes = ggml_row_bytes(type, n_in).value();
+    std::vector<uint8_t> packed(row_bytes * n_out);
+    for (int64_t o = 0; o < n_out; ++o) quantize_row(type, &w[o * n_in], &packed[o * row_bytes], n_in);
+    Tensor wt = be_.alloc(type, std::vector<int64_t>{n_out, n_in}).value();
+    ASSERT_TRUE(be_.upload(wt, packed.data(), packed.size()).is_ok());
+    Tensor y = poisoned({n_rows, n_out});
+    ASSERT_TRUE(be_.matmul(wt, f32({n_rows, n_in}, x), y, MatmulMode::Sequential).is_ok());
+    const std::vector<float> got = read(y);
+    std::vector<double> want(n_rows * n_out);
+    std::vector<float> row(n_in);
+    int64_t differ = 0;
+    for (int64_t o = 0; o < n_out; ++o) {
+      dequantize_row(type, &packed[o * row_bytes], row.data(), n_in);
+      for (int64_t s = 0; s < n_rows; ++s) {
+        float total = 0;
+        for (int64_t k0 = 0; k0 < n_in; k0 += 192) {
+          float chain = 0;
+          for (int64_t k = k0; k < std::min<int64_t>(n_in, k0 + 192); ++k) chain = std::fma(row[k], x[s * n_in + k], chain);
+          total = k0 == 0 ? chain : total + chain;
+        }
+        differ += std::memcmp(&total, &got[s * n_out + o], sizeof(float)) != 0;
+        for (int64_t i = 0; i < n_in; ++i) want[s * n_out + o] += double(row[i]) * x[s * n_in + i];
+      }
+    }
+    EXPECT_EQ(differ, 0) << ggml_type_name(type);
+    expect_close(got, want, 1e-5, ggml_type_name(type).data());
+  }
+}
+
+// rms_norm_torch_order: the sum of squares in torch's CPU order. For 128 values (the
+// tiny-v41 rows: 16 vectors of 8, four accumulators, no cascade) against that order
+// written out; for 5120 (the cascade) close to the double statistic of rms_norm.
+TEST_F(CpuOps, RmsNormTorchOrder) {
+  const std::vector<float> x = randn(2 * 128, 3), w = randn(128);
+  Tensor y = poisoned({2, 128});
+  Tensor wt = f32({128}, w);
+  ASSERT_TRUE(be_.rms_norm_torch_order(f32({2, 128}, x), &wt, 1e-6f, 128, y).is_ok());
+  const std::vector<float> got = read(y);
+  int64_t differ = 0;
+  for (int r = 0; r < 2; ++r) {
+    const float* v = &x[r * 128];
+    std::vector<float> sq(128);  // rounded squares first (x.square()), in memory: no fma below
+    for (int i = 0; i < 128; ++i) sq[i] = v[i] * v[i];
+    float lanes[8] = {};
+    for (int l = 0; l < 8; ++l) {
+      float acc[4] = {};
+      for (int i = 0; i < 4; ++i)
+        for (int k = 0; k < 4; ++k) acc[k] += sq[(4 * i + k) * 8 + l];
+      lanes[l] = ((acc[0] + acc[1]) + acc[2]) + acc[3];
+    }
+    float sum = 0;
+    for (float l : lanes) sum += l;
+    const float inv = 1.0f / std::sqrt(sum / 128.0f + 1e-6f);
+    for (int i = 0; i < 128; ++i) {
+      const float want = v[i] * inv * w[i];
+      differ += std::memcmp(&want, &got[r * 128 + i], sizeof(float)) != 0;
+    }
+  }
+  EXPECT_EQ(differ, 0);
+
+  const std::vector<float> big = randn(5120);
+  Tensor a = poisoned({1, 5120}), b = poisoned({1, 5120});
+  ASSERT_TRUE(be_.rms_norm_torch_order(f32({1, 5120}, big), nullptr, 1e-20f, 5120, a).is_ok());
+  ASSERT_TRUE(be_.rms_norm(f32({1, 5120}, big), nullptr, 1e-20f, 5120, b).is_ok());
+  const std::vector<float> ra = read(a), rb = read(b);
+  expect_close(ra, std::vector<double>(rb.begin(), rb.end()), 1e-6, "5120 values");
 }
 
 TEST_F(CpuOps, HcPreSinkhornAndCollapse) {

@@ -99,7 +99,7 @@ class CpuStepOps : public ::testing::Test {
     for (size_t i = 0; i < table.size(); ++i) table[i] = order[i];
     std::vector<float> pool = randn(n_pages * page_rows * width);
     Paged p;
-    p.view = {f32({n_pages * page_rows, width}, pool), i32({slots, pages_per_slot}, table), page_rows};
+    p.view = {f32({n_pages * page_rows, width}, pool), i32({slots, pages_per_slot}, table), page_rows, {}};
     p.rows.resize(slots);
     for (int32_t s = 0; s < slots; ++s)
       for (int64_t i = 0; i < max_rows; ++i) {
@@ -366,7 +366,7 @@ TEST_F(CpuStepOps, MissingPagesAndBadMetadataAreErrors) {
   keys.chunk = f32({rows.n, d}, randn(rows.n * d));
   keys.ratio = 4;
   // One page of 2 rows: entries 2.. (visible from position 11 on) have no page.
-  keys.entries = {f32({2, d}, randn(2 * d)), i32({1, 3}, {0, -1, -1}), 2};
+  keys.entries = {f32({2, d}, randn(2 * d)), i32({1, 3}, {0, -1, -1}), 2, {}};
   Tensor out = poisoned({rows.n, d});
   const Status st = be_.attention(f32({rows.n, d}, randn(rows.n * d)), keys, rows, f32({1}, {0.5f}), 1.0f, out);
   ASSERT_FALSE(st.is_ok());
@@ -393,6 +393,13 @@ TEST_F(CpuStepOps, ScratchIsReusedPerStepAndPoisonable) {
   Tensor ids = be_.scratch(GgmlType::I32, std::vector<int64_t>{4}).value();
   ASSERT_TRUE(be_.fill(ids, -1).is_ok());
   EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
+  // An f32 fill's -inf, or any value an int32 cannot hold, is refused for an i32 tensor
+  // (the conversion would be undefined); the tensor keeps its values.
+  for (float bad : {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 0.5f, 3e9f})
+    EXPECT_FALSE(be_.fill(ids, bad).is_ok()) << bad;
+  EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
+  ASSERT_TRUE(be_.fill(a, -std::numeric_limits<float>::infinity()).is_ok());
+  for (float v : read(a)) EXPECT_EQ(v, -std::numeric_limits<float>::infinity());
 
   // A released scope hands the same memory out again; what was before it stays.
   const auto mark = be_.scratch_mark();

@@ -94,7 +94,9 @@ void expect_same_v41(const ModelConfig& a, const ModelConfig& b) {
     EXPECT_EQ(a.dspark->target_layers, b.dspark->target_layers);
   }
   ASSERT_EQ(a.vision.has_value(), b.vision.has_value());
-  if (a.vision) EXPECT_EQ(a.vision->image_token_id, b.vision->image_token_id);
+  if (a.vision) {
+    EXPECT_EQ(a.vision->image_token_id, b.vision->image_token_id);
+  }
 }
 
 TEST(ConfigV41Test, PresetsRoundTrip) {

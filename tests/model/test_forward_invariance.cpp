@@ -14,6 +14,7 @@
 #include "synth/presets.h"
 #include "synth/synth.h"
 #include "support/test_support.h"
+#include "support/tiny_synth.h"
 
 namespace dsv4 {
 namespace {
@@ -22,15 +23,7 @@ class ForwardInvariance : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = std::make_unique<test::TempDir>();
-    ModelConfig c = tiny_config();
-    c.vocab_size = 512;
-    c.context_length = 256;
-    SynthOptions so;
-    so.config = c;
-    so.seed = 7;
-    so.write_tokenizer = false;
-    so.expert_type = GgmlType::MXFP4;
-    so.dense_type = GgmlType::Q8_0;
+    SynthOptions so = test::tiny_synth_options(7, GgmlType::MXFP4, GgmlType::Q8_0);
     path_ = (dir_->path() / "tiny.gguf").string();
     auto r = write_synthetic_model(path_, so);
     ASSERT_TRUE(r.is_ok()) << r.status().message();

@@ -19,6 +19,7 @@
 #include "model/steering.h"
 #include "model/trace.h"
 #include "support/test_support.h"
+#include "support/tiny_synth.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
 
@@ -29,15 +30,8 @@ class Interventions : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = std::make_unique<test::TempDir>();
-    ModelConfig c = tiny_config();
-    c.vocab_size = 512;
-    c.context_length = 256;
-    SynthOptions so;
-    so.config = c;
-    so.seed = 17;
-    so.write_tokenizer = false;
-    so.expert_type = GgmlType::Q8_0;
-    so.dense_type = GgmlType::F32;  // the head's rows are read back exactly below
+    // F32 dense weights: the head's rows are read back exactly below.
+    SynthOptions so = test::tiny_synth_options(17, GgmlType::Q8_0, GgmlType::F32);
     so.layout = WriteLayout::Bundled;
     path_ = (dir_->path() / "tiny.gguf").string();
     ASSERT_TRUE(write_synthetic_model(path_, so).is_ok());

@@ -71,7 +71,9 @@ TEST(LayerPlanV41Test, TinyMatchesTheFixtureSchedule) {
   for (const CacheListPlan& l : plan.lists) owners.insert(l.block);
   EXPECT_EQ(std::vector<uint32_t>(owners.begin(), owners.end()), c.kv_source_layers);
   for (const LayerPlan& l : plan.layers)
-    if (l.ratio && !l.kv_source) EXPECT_EQ(l.kv_state, -1) << l.block;
+    if (l.ratio && !l.kv_source) {
+      EXPECT_EQ(l.kv_state, -1) << l.block;
+    }
 }
 
 TEST(LayerPlanV41Test, V4KeepsItsOwnListsPerBlock) {
@@ -82,7 +84,9 @@ TEST(LayerPlanV41Test, V4KeepsItsOwnListsPerBlock) {
   for (const LayerPlan& l : plan.layers) {
     EXPECT_EQ(l.kv_source_block, -1);
     EXPECT_EQ(l.engram, -1);
-    if (l.ratio) EXPECT_TRUE(lists.insert(l.kv_list).second) << l.block;
+    if (l.ratio) {
+      EXPECT_TRUE(lists.insert(l.kv_list).second) << l.block;
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "model/model.h"
 #include "support/test_support.h"
+#include "support/tiny_synth.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
 
@@ -22,15 +23,7 @@ class SequenceSnapshots : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = std::make_unique<test::TempDir>();
-    ModelConfig c = tiny_config();
-    c.vocab_size = 512;
-    c.context_length = 256;
-    SynthOptions so;
-    so.config = c;
-    so.seed = 11;
-    so.write_tokenizer = false;
-    so.expert_type = GgmlType::Q8_0;
-    so.dense_type = GgmlType::Q8_0;
+    SynthOptions so = test::tiny_synth_options(11, GgmlType::Q8_0, GgmlType::Q8_0);
     const std::string path = (dir_->path() / "tiny.gguf").string();
     auto r = write_synthetic_model(path, so);
     ASSERT_TRUE(r.is_ok()) << r.status().message();

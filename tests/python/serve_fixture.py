@@ -25,6 +25,8 @@ class Server:
         self.log_path = os.path.join(self.tmp.name, "serve.log")
         self.log = open(self.log_path, "w")
         cmd = [CLI, "serve", "--port", "0", "--port-file", port_file, "-t", "2", "--ctx", "1024", *args]
+        if "--backend" not in args:  # the CPU's reference numerics, also where a GPU is present
+            cmd += ["--backend", "cpu"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
         deadline = time.time() + 300
         while not os.path.exists(port_file):

@@ -13,32 +13,15 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "runtime/scheduler.h"
+#include "support/builtin_model_fixture.h"
 #include "support/test_support.h"
 #include "synth/builtin_model.h"
 
 namespace dsv4::runtime {
 namespace {
 
-struct Fixture {
-  backend::CpuBackend cpu{2};
-  std::unique_ptr<Model> model;
-  std::shared_ptr<const text::Tokenizer> tokenizer;
-};
-
-Fixture& fixture() {
-  static Fixture* f = [] {
-    setenv("DSV4_CACHE_DIR", (std::filesystem::path(DSV4_BINARY_DIR) / "test-cache-text").c_str(), 1);
-    auto* fx = new Fixture;
-    auto path = ensure_builtin_model();
-    EXPECT_TRUE(path.is_ok()) << path.status().message();
-    auto model = Model::load(path->string(), fx->cpu);
-    EXPECT_TRUE(model.is_ok()) << model.status().message();
-    fx->model = std::move(*model);
-    fx->tokenizer = *text::Tokenizer::builtin();
-    return fx;
-  }();
-  return *f;
-}
+using Fixture = test::BuiltinModel;
+Fixture& fixture() { return test::builtin_model(); }
 
 std::vector<int32_t> prompt_of(int i, int words) {
   std::string s = "<｜begin▁of▁sentence｜><｜User｜>";

@@ -24,13 +24,14 @@
 #include "runtime/sampler.h"
 #include "runtime/speculative.h"
 #include "support/test_support.h"
+#include "support/tiny_synth.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
 
 namespace dsv4::runtime {
 namespace {
 
-constexpr int32_t kVocab = 512;
+constexpr int32_t kVocab = test::kTinyVocab;
 
 SpecOptions fixed_k(int k) {
   SpecOptions o;
@@ -48,15 +49,7 @@ class Speculative : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = std::make_unique<test::TempDir>();
-    ModelConfig c = tiny_config();
-    c.vocab_size = kVocab;
-    c.context_length = 256;
-    SynthOptions so;
-    so.config = c;
-    so.seed = 23;
-    so.write_tokenizer = false;
-    so.expert_type = GgmlType::Q8_0;
-    so.dense_type = GgmlType::Q8_0;
+    const SynthOptions so = test::tiny_synth_options(23, GgmlType::Q8_0, GgmlType::Q8_0);
     const std::string path = (dir_->path() / "tiny.gguf").string();
     auto r = write_synthetic_model(path, so);
     ASSERT_TRUE(r.is_ok()) << r.status().message();

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "backend/cpu/cpu_backend.h"
 #ifdef DSV4_HAVE_CUDA
@@ -24,6 +25,34 @@ void add_backend_flags(CLI::App& app, BackendFlags& flags) {
                "the fp32 reference numerics: weights decoded exactly, fp32 products (the CUDA default is the "
                "quantised production path)")
       ->excludes(fast);
+  app.add_option("--device-memory", flags.device_memory,
+                 "device memory the weights, caches and scratch must fit, e.g. 80G (default: what the GPU has "
+                 "free; set, it is checked on the CPU too); also $DSV4_DEVICE_MEMORY");
+}
+
+Result<uint64_t> parse_byte_size(const std::string& flag, const std::string& s) {
+  size_t used = 0;
+  unsigned long long v = 0;
+  try {
+    v = std::stoull(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = s.substr(used);
+  uint64_t mult = 1;
+  if (unit == "K" || unit == "KiB" || unit == "k") mult = 1ull << 10;
+  else if (unit == "M" || unit == "MiB") mult = 1ull << 20;
+  else if (unit == "G" || unit == "GiB") mult = 1ull << 30;
+  else if (unit == "T" || unit == "TiB") mult = 1ull << 40;
+  else if (!unit.empty() || used == 0) return Status::errorf("{} '{}': expected bytes, e.g. 1048576, 512M or 8G", flag, s);
+  if (v > UINT64_MAX / mult) return Status::errorf("{} '{}' is too large", flag, s);
+  return static_cast<uint64_t>(v) * mult;
+}
+
+Result<uint64_t> device_memory_bytes(const BackendFlags& flags) {
+  if (!flags.device_memory.empty()) return parse_byte_size("--device-memory", flags.device_memory);
+  if (const char* env = std::getenv("DSV4_DEVICE_MEMORY"); env && *env) return parse_byte_size("DSV4_DEVICE_MEMORY", env);
+  return uint64_t{0};
 }
 
 bool cuda_built() {
@@ -42,10 +71,25 @@ std::string resolve_backend_name(const std::string& choice) {
   return "cpu";
 }
 
+Status check_backend_available(const std::string& choice) {
+  if (choice != "cuda") return Status::ok();
+#ifdef DSV4_HAVE_CUDA
+  if (auto device = cuda::query_device(0); !device.is_ok())
+    return Status::errorf("--backend cuda: no CUDA device answers ({}); use --backend cpu or auto",
+                          device.status().message());
+  return Status::ok();
+#else
+  return Status::error("--backend cuda: this dsv4 was built without CUDA (configure with -DDSV4_CUDA=ON); use "
+                       "--backend cpu or auto");
+#endif
+}
+
 Result<ChosenBackend> make_backend(const BackendFlags& flags, const char* command) {
   ChosenBackend chosen;
   chosen.name = resolve_backend_name(flags.backend);
   if (chosen.name == "cpu") {
+    DSV4_ASSIGN_OR_RETURN(const uint64_t device_memory, device_memory_bytes(flags));
+    chosen.sized_as_device = device_memory > 0;
     chosen.backend = std::make_unique<backend::CpuBackend>(flags.threads);
     return chosen;
   }
@@ -79,7 +123,7 @@ backend::MatmulMode matmul_mode(const BackendFlags& flags, const ChosenBackend& 
 
 KvCacheOptions cache_options(const ChosenBackend& chosen, uint32_t sequences, uint64_t context) {
   KvCacheOptions o;
-  if (!chosen.device) return o;
+  if (!chosen.device && !chosen.sized_as_device) return o;
   o.max_sequences = sequences;
   o.max_context = context;
   return o;

@@ -465,6 +465,9 @@ int run_bench(const BenchOptions& o) {
   if (!files.is_ok()) return fail(files.status());
   ModelOptions mo;
   mo.matmul = matmul_mode(o.backend, *chosen);
+  auto device_memory = device_memory_bytes(o.backend);
+  if (!device_memory.is_ok()) return fail(device_memory.status());
+  mo.device_memory = *device_memory;
   mo.graphs = !o.no_graphs;
   // Warm-up and timed steps move each sequence past its depth.
   const uint64_t extra = static_cast<uint64_t>(o.warmup + o.repeats * o.steps);

@@ -82,6 +82,7 @@ Status run_graft_make(const GraftMakeOptions& o) {
   DSV4_ASSIGN_OR_RETURN(ChosenBackend chosen, make_backend(o.backend, "dsv4 graft"));
   ModelOptions mo;
   mo.matmul = matmul_mode(o.backend, chosen);
+  DSV4_ASSIGN_OR_RETURN(mo.device_memory, device_memory_bytes(o.backend));
   mo.cache = cache_options(chosen, 1, ids.size() + 1);
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, *chosen.backend, mo));
   const ModelConfig& c = model->config();

@@ -13,17 +13,24 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
+#include "backend_choice.h"
 #include "commands.h"
 #include "gguf/gguf_file.h"
 #include "synth/builtin_model.h"
 #include "model/cache_layout.h"
 #include "model/config.h"
+#include "model/device_plan.h"
+#include "model/layer_plan.h"
 #include "model/kv_graft.h"
 #include "model/model_files.h"
 #include "model/partition.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
 #include "model/tensor_catalog.h"
+#ifdef DSV4_HAVE_CUDA
+#include "backend/cuda/device_info.h"
+#endif
 
 namespace dsv4::cli {
 namespace {
@@ -43,6 +50,8 @@ struct InfoOptions {
   double gpu_reserve_gib = 4;     // per GPU: activations, workspace, graphs
   uint32_t sequences = 1;
   std::string dense_parallel = "auto";
+  std::string backend = "cpu";   // cuda: print the device memory plan (model/device_plan.h)
+  std::string device_memory;     // with --backend cuda: the capacity to check against
 };
 
 std::string with_commas(uint64_t n) {
@@ -359,6 +368,59 @@ bool print_partition(const ModelConfig& c, const std::vector<PlacedTensor>& tens
   return false;
 }
 
+// With --backend cuda: what loading puts in device memory for --sequences slots of --ctx
+// tokens, and whether it fits --device-memory (else the device's memory, when one answers).
+bool print_device_plan(const ModelConfig& c, std::span<const gguf::TensorInfo> tensors, const InfoOptions& o,
+                       uint64_t ctx) {
+  uint64_t capacity = 0;
+  std::string capacity_source;
+  if (!o.device_memory.empty()) {
+    auto bytes = parse_byte_size("--device-memory", o.device_memory);
+    if (!bytes.is_ok()) {
+      fmt::print(stderr, "dsv4 info: {}\n", bytes.status().message());
+      return false;
+    }
+    capacity = *bytes;
+    capacity_source = "--device-memory";
+  }
+#ifdef DSV4_HAVE_CUDA
+  if (!capacity)
+    if (auto device = cuda::query_device(0); device.is_ok()) {
+      capacity = device->global_memory_bytes;
+      capacity_source = fmt::format("{}'s memory", device->name);
+    }
+#endif
+  KvCacheOptions cache;
+  cache.max_sequences = o.sequences;
+  cache.max_context = ctx;
+  const DeviceMemoryPlan p = plan_device_memory(c, ModelPlan::build(c), tensors, cache,
+                                                backend::kDefaultDeviceScratchBytes + backend::kDeviceWorkspaceBytes,
+                                                capacity);
+  fmt::print("device memory (--backend cuda, {} slot{} of {} tokens):\n", p.sequences, p.sequences == 1 ? "" : "s",
+             with_commas(p.context));
+  fmt::print("  weights             {}\n", plan_bytes_text(p.weights_bytes));
+  if (p.host_weights_bytes) fmt::print("  Engram tables       {} (host: read from the file)\n", plan_bytes_text(p.host_weights_bytes));
+  fmt::print("  caches              {}\n", plan_bytes_text(p.cache.total()));
+  fmt::print("    windows, states   {}\n", plan_bytes_text(p.cache.slots));
+  fmt::print("    page tables       {}\n", plan_bytes_text(p.cache.tables));
+  fmt::print("    pages             {}\n", plan_bytes_text(p.cache.pages));
+  fmt::print("  scratch             {} (first arena chunk and workspace; grows when a step needs more)\n",
+             plan_bytes_text(p.scratch_bytes));
+  fmt::print("  total               {}\n", plan_bytes_text(p.total()));
+  if (!capacity) {
+    fmt::print("  fits: unknown (no CUDA device answers; --device-memory BYTES to check)\n");
+    return true;
+  }
+  fmt::print("  capacity            {} ({})\n", plan_bytes_text(capacity), capacity_source);
+  if (p.fits()) {
+    fmt::print("  fits: yes\n");
+    return true;
+  }
+  fmt::print("  fits: no\n");
+  fmt::print(stderr, "dsv4 info: {}\n", check_device_fit(p, "the model").message());
+  return false;
+}
+
 int report_error(const Status& s) {
   fmt::print(stderr, "dsv4 info: {}\n", s.message());
   return kExitFailure;
@@ -407,6 +469,8 @@ int info_for_file(const std::string& path, const std::string& mtp_path, const In
   print_memory_plan(config, weight_bytes - engram_bytes(entries), ctx ? ctx : config.context_length);
   print_engram_plan(config, engram_bytes(entries), engram_row_bytes_of(entries, config));
   if (!check.is_ok()) return kExitFailure;
+  if (o.backend == "cuda" && !print_device_plan(config, files->tensors(), o, ctx ? ctx : config.context_length))
+    return kExitFailure;
   if (o.gpus) {
     std::vector<PlacedTensor> placed;
     for (const auto& t : files->tensors())
@@ -501,8 +565,17 @@ int run_info(const InfoOptions& o) {
     }
     return info_for_graft(o);
   }
+  if (!o.model.empty() && !o.file.empty()) {
+    fmt::print(stderr, "dsv4 info: give the model as FILE or -m, not both\n");
+    return kExitUsage;
+  }
+  if (!o.model.empty() && o.preset.empty()) return info_for_file(o.model, o.mtp, o);
   if (!o.model.empty()) {
-    fmt::print(stderr, "dsv4 info: -m goes with --kv-graft; give the model as FILE\n");
+    fmt::print(stderr, "dsv4 info: -m and --preset: give one\n");
+    return kExitUsage;
+  }
+  if (o.backend == "cuda" && !o.preset.empty()) {
+    fmt::print(stderr, "dsv4 info: --backend cuda plans a model file (FILE or -m), not --preset\n");
     return kExitUsage;
   }
   if (!o.file.empty() && !o.preset.empty()) {
@@ -535,7 +608,7 @@ void register_info(CLI::App& app, CommandRunner& run) {
   app.add_option("--dense", o->dense_type, "with --preset: type of the other matrices");
   app.add_option("--kv-graft", o->kv_graft, "describe a KV graft bank: layers, slot counts, footprint, model")
       ->check(CLI::ExistingFile);
-  app.add_option("-m,--model", o->model, "with --kv-graft: also check that the bank fits this model")
+  app.add_option("-m,--model", o->model, "the model file (as FILE); with --kv-graft: check that the bank fits it")
       ->check(CLI::ExistingFile);
   app.add_option("--gpus", o->gpus, "print the partition plan over N GPUs (experts, weights, cache, traffic)")
       ->check(CLI::PositiveNumber);
@@ -543,7 +616,11 @@ void register_info(CLI::App& app, CommandRunner& run) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--gpu-reserve", o->gpu_reserve_gib, "with --gpus: GiB per GPU kept for activations and workspace")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--sequences", o->sequences, "with --gpus: sequences of --ctx tokens to hold")
+  app.add_option("--backend", o->backend, "cuda: also the device memory plan (weights, caches, scratch) and its fit")
+      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--device-memory", o->device_memory,
+                 "with --backend cuda: device memory to fit, e.g. 80G (default: the GPU's, when one answers)");
+  app.add_option("--sequences", o->sequences, "with --gpus or --backend cuda: sequences of --ctx tokens to hold")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--dense-parallel", o->dense_parallel, "with --gpus: auto, replicated or tensor")
       ->capture_default_str()->check(CLI::IsMember({"auto", "replicated", "tensor"}));

@@ -3,7 +3,10 @@
 // model in prefill chunks, and writes float32 logits [tokens, vocab] as a NumPy .npy file
 // (row t predicts token t+1). With --mtp it writes the MTP block's draft logits instead:
 // [tokens - 1, vocab], row t from the final streams at position t and token t+1
-// (predicting token t+2), the pairing of the fixture README.
+// (predicting token t+2), the pairing of the fixture README. On a V4.1 model --mtp runs the
+// DSpark stages teacher-forced: after position t (t = 0 .. tokens-2) a block drafted from
+// token t+1, written as [(tokens - 1) * block, vocab] (row t*block + i predicts token
+// t+2+i), and each block's drafts and confidences printed, one line per position.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -88,6 +91,7 @@ Status run_score(const ScoreOptions& o) {
   ModelOptions mo;
   mo.qat = !o.no_qat;
   mo.matmul = matmul_mode(o.backend, chosen);
+  DSV4_ASSIGN_OR_RETURN(mo.device_memory, device_memory_bytes(o.backend));
   mo.cache = cache_options(chosen, 1, footprint + tokens.size());
   mo.mtp_path = o.mtp_file;
   DSV4_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(o.model, *chosen.backend, mo));
@@ -115,6 +119,20 @@ Status run_score(const ScoreOptions& o) {
 
   const int64_t width = static_cast<int64_t>(streams.size()) / n;
   std::vector<float> draft;
+  if (model->config().is_v41()) {
+    for (int64_t t = 0; t + 1 < n; ++t) {
+      const DsparkItem item{seq.get(), std::span<const float>(streams.data() + t * width, width), tokens[t + 1]};
+      DSV4_ASSIGN_OR_RETURN(std::vector<DsparkDraft> got, model->dspark(std::span<const DsparkItem>(&item, 1)));
+      const DsparkDraft& d = got.at(0);
+      std::string line = fmt::format("{} {}:", t, tokens[t + 1]);
+      for (int32_t id : d.tokens) line += fmt::format(" {}", id);
+      line += " |";
+      for (float c : d.confidence) line += fmt::format(" {:.4g}", c);
+      std::printf("%s\n", line.c_str());
+      draft.insert(draft.end(), d.logits.begin(), d.logits.end());
+    }
+    return write_npy(o.output, draft, static_cast<int64_t>(draft.size()) / vocab, vocab);
+  }
   for (int64_t at = 0; at < n - 1; at += chunk) {
     const int64_t len = std::min(chunk, n - 1 - at);
     const MtpItem item{seq.get(), std::span<const float>(streams.data() + at * width, len * width),
@@ -136,7 +154,9 @@ void register_score(CLI::App& app, CommandRunner& run) {
   app.add_option("--chunk", o->chunk, "prefill chunk size (default: all tokens in one call)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-qat", o->no_qat, "switch off the official QAT roundings (FP8 KV, FP4 indexer)");
-  app.add_flag("--mtp", o->mtp, "write the MTP block's draft logits [tokens-1, vocab] instead");
+  app.add_flag("--mtp", o->mtp,
+               "write the MTP block's draft logits [tokens-1, vocab] instead (V4.1: the DSpark blocks, "
+               "[(tokens-1)*block, vocab], drafts printed)");
   add_backend_flags(app, o->backend);
   add_intervention_flags(app, o->interventions);
   app.add_option("-t,--threads", o->backend.threads, "CPU threads (default: all)");

@@ -12,7 +12,7 @@
 #include <fstream>
 #include <thread>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend_choice.h"
 #include "commands.h"
 #include "interventions.h"
 #include "gguf/gguf_file.h"
@@ -30,7 +30,9 @@ void on_signal(int) { g_stop.store(true); }
 
 struct ServeOptions {
   std::string model;
-  std::string backend = "cpu";
+  std::string mtp;       // --mtp FILE: the MTP sidecar of a trunk-only model
+  int spec = 0;          // --spec K: MTP speculative decoding, at most K drafts per step
+  BackendFlags backend;  // --backend, -t, --fast, --exact (backend_choice.h)
   std::string host = "127.0.0.1";
   int port = 8080;
   std::string port_file;
@@ -48,8 +50,6 @@ struct ServeOptions {
   bool any_model = false;
   bool think = false, nothink = false;
   std::string effort_table = "v4";
-  int threads = 0;
-  bool fast = false;
   std::string max_body = "16M";
   int http_threads = 64;
   InterventionFlags interventions;  // --glp, --glp-alpha, --glp-layers, --kv-graft
@@ -66,40 +66,24 @@ Result<uint64_t> file_hash(const std::string& path) {
   return h;
 }
 
-// "1048576", "512K", "8M", "2G", "1T" (powers of 1024).
-Result<uint64_t> parse_bytes(const std::string& flag, const std::string& s) {
-  size_t used = 0;
-  unsigned long long v = 0;
-  try {
-    v = std::stoull(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string unit = s.substr(used);
-  uint64_t mult = 1;
-  if (unit == "K" || unit == "KiB" || unit == "k") mult = 1ull << 10;
-  else if (unit == "M" || unit == "MiB") mult = 1ull << 20;
-  else if (unit == "G" || unit == "GiB") mult = 1ull << 30;
-  else if (unit == "T" || unit == "TiB") mult = 1ull << 40;
-  else if (!unit.empty() || used == 0) return Status::errorf("{} '{}': expected bytes, e.g. 1048576, 512M or 8G", flag, s);
-  if (v > UINT64_MAX / mult) return Status::errorf("{} '{}' is too large", flag, s);
-  return static_cast<uint64_t>(v) * mult;
-}
-
 int fail(const Status& s, int code = kExitFailure) {
   fmt::print(stderr, "dsv4 serve: {}\n", s.message());
   return code;
 }
 
 int run_serve(ServeOptions& o) {
-  if (o.backend != "cpu")
-    return fail(Status::errorf("--backend {}: this build has the cpu backend only", o.backend), kExitUsage);
-  auto kv_budget = parse_bytes("--kv-budget", o.kv_budget);
-  auto persist_budget = parse_bytes("--kv-persist-budget", o.kv_persist_budget);
-  auto max_body = parse_bytes("--max-body", o.max_body);
-  for (const auto* r : {&kv_budget, &persist_budget, &max_body})
+  // A backend that cannot exist here is a usage error, found before the model is read.
+  if (Status s = check_backend_available(o.backend.backend); !s.is_ok()) return fail(s, kExitUsage);
+  auto kv_budget = parse_byte_size("--kv-budget", o.kv_budget);
+  auto persist_budget = parse_byte_size("--kv-persist-budget", o.kv_persist_budget);
+  auto max_body = parse_byte_size("--max-body", o.max_body);
+  auto device_memory = device_memory_bytes(o.backend);
+  for (const auto* r : {&kv_budget, &persist_budget, &max_body, &device_memory})
     if (!r->is_ok()) return fail(r->status(), kExitUsage);
   if (Status s = validate_intervention_flags(o.interventions); !s.is_ok()) return fail(s, kExitUsage);
+  if (o.spec > 0 && !o.interventions.kv_graft.empty())  // as run and chat
+    return fail(Status::error("--spec: speculative decoding does not take a KV graft (--kv-graft) in this build"),
+                kExitUsage);
   if (o.max_seqs == 0) return fail(Status::error("--max-seqs must be at least 1"), kExitUsage);
   if (o.batch_tokens < 1) return fail(Status::error("--batch-tokens must be at least 1"), kExitUsage);
   if (o.api_key.empty())
@@ -123,15 +107,29 @@ int run_serve(ServeOptions& o) {
     if (!tok.is_ok()) return fail(tok.status());
     tokenizer = std::make_unique<text::Tokenizer>(std::move(*tok));
   }
-  backend::CpuBackend cpu(o.threads);
+  auto chosen = make_backend(o.backend, "dsv4 serve");
+  if (!chosen.is_ok()) return fail(chosen.status());
   ModelOptions mo;
-  mo.matmul = o.fast ? backend::MatmulMode::Quantized : backend::MatmulMode::Exact;
-  auto model = Model::load(path, cpu, mo);
+  mo.matmul = matmul_mode(o.backend, *chosen);
+  mo.mtp_path = o.mtp;
+  mo.device_memory = *device_memory;
+  // A device allocates the cache up front (backend_choice.h): a slot per running sequence
+  // and per idle prefix-cache entry, of --ctx tokens (default kDeviceContext there, as run
+  // and chat), and pages for --kv-budget bytes when given (else every slot at --ctx).
+  const uint64_t device_ctx = o.ctx ? o.ctx : kDeviceContext;
+  mo.cache = cache_options(*chosen, static_cast<uint32_t>(o.max_seqs + o.cache_entries), device_ctx);
+  if (chosen->device || chosen->sized_as_device) mo.cache.pool_bytes = *kv_budget;
+  auto model = Model::load(path, *chosen->backend, mo);
   if (!model.is_ok()) return fail(model.status());
+  const bool device_sized = chosen->device || chosen->sized_as_device;
+  if (device_sized) fmt::print(stderr, "dsv4 serve: device memory: {}\n", (*model)->memory_plan().describe());
   const ModelConfig& config = (*model)->config();
   if (o.ctx > config.context_length)
     return fail(Status::errorf("--ctx {} exceeds the model's context length {}", o.ctx, config.context_length), kExitUsage);
-  const uint64_t ctx = o.ctx ? o.ctx : config.context_length;
+  if (o.spec > 0 && !(*model)->has_mtp())
+    return fail(Status::errorf("--spec {}: {} has no MTP block to draft with (--mtp FILE for a trunk-only model)",
+                               o.spec, path), kExitUsage);
+  const uint64_t ctx = o.ctx ? o.ctx : device_sized ? std::min(device_ctx, config.context_length) : config.context_length;
   auto graft = apply_interventions(o.interventions, **model);
   if (!graft.is_ok()) return fail(graft.status());
   if (*graft && static_cast<uint64_t>((*graft)->footprint) + 1 >= ctx)
@@ -147,6 +145,11 @@ int run_serve(ServeOptions& o) {
   so.prefix.snapshot_interval = o.snapshot_interval;
   so.prefix.max_idle = o.cache_entries;
   so.prefix.graft = *graft;
+  if (o.spec > 0) {
+    runtime::SpecOptions spec;
+    spec.max_k = o.spec;
+    so.speculative = spec;
+  }
   if (!o.kv_persist.empty()) {
     auto identity = runtime::model_identity(path, mo);
     if (!identity.is_ok()) return fail(identity.status());
@@ -159,13 +162,14 @@ int run_serve(ServeOptions& o) {
                                o.interventions.glp_layers);
     }
     if (*graft) *identity += fmt::format(" graft={:016x}", (*graft)->hash);
+    if (o.spec > 0) *identity += " mtp";  // the sequences keep the MTP blocks' windows
     so.prefix.persist_dir = o.kv_persist;
     so.prefix.persist_budget = *persist_budget;
     so.prefix.identity = *identity;
   }
   const uint64_t footprint = *graft ? static_cast<uint64_t>((*graft)->footprint) : 0;
   if (so.kv_budget) {
-    auto one = CachePlan::compute(config, std::min<uint64_t>(ctx, footprint + 1), false);
+    auto one = CachePlan::compute(config, std::min<uint64_t>(ctx, footprint + 1), o.spec > 0);
     if (one.is_ok() && one->total() > so.kv_budget)
       return fail(Status::errorf("--kv-budget {} bytes cannot hold even one sequence ({} bytes fixed)", so.kv_budget,
                                  one->total()), kExitUsage);
@@ -208,9 +212,11 @@ int run_serve(ServeOptions& o) {
   std::signal(SIGPIPE, SIG_IGN);
   scheduler.start();
   fmt::print(stderr,
-             "dsv4 serve: http://{}:{} serving {} as {}{} | ctx {} | max-seqs {} | kv-budget {} | batch {} tokens{}\n",
+             "dsv4 serve: http://{}:{} serving {} as {}{} | backend {} | ctx {} | max-seqs {} | kv-budget {} | batch {} "
+             "tokens{}{}\n",
              o.host, srv.bound_port(), path, api.model_names[0], builtin ? " (built-in tiny model, random weights)" : "",
-             ctx, o.max_seqs, so.kv_budget ? fmt::format("{} B", so.kv_budget) : "unlimited", o.batch_tokens,
+             chosen->name, ctx, o.max_seqs, so.kv_budget ? fmt::format("{} B", so.kv_budget) : "unlimited", o.batch_tokens,
+             o.spec > 0 ? fmt::format(" | speculative decoding, up to {} drafts", o.spec) : "",
              o.api_key.empty() ? "" : " | API key required");
   std::thread watcher([&] {
     while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -221,8 +227,9 @@ int run_serve(ServeOptions& o) {
   g_stop.store(true);
   watcher.join();
   const runtime::SchedulerMetrics m = scheduler.metrics();
-  fmt::print(stderr, "dsv4 serve: stopped after {} requests ({} prompt tokens, {} cached, {} generated)\n",
-             m.requests_finished, m.prompt_tokens, m.cached_prompt_tokens, m.generated_tokens);
+  fmt::print(stderr, "dsv4 serve: stopped after {} requests ({} prompt tokens, {} cached, {} generated{})\n",
+             m.requests_finished, m.prompt_tokens, m.cached_prompt_tokens, m.generated_tokens,
+             o.spec > 0 ? fmt::format("; {} of {} drafts accepted", m.spec_accepted, m.spec_drafted) : "");
   return kExitOk;
 }
 
@@ -232,7 +239,11 @@ void register_serve(CLI::App& app, CommandRunner& run) {
   auto o = std::make_shared<ServeOptions>();
   app.add_option("-m,--model", o->model, "GGUF model file (default: the built-in tiny model, random weights)")
       ->check(CLI::ExistingFile);
-  app.add_option("--backend", o->backend, "compute backend: cpu")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--mtp", o->mtp, "MTP sidecar of a trunk-only model (default: mtp-*.gguf found next to it)");
+  add_backend_flags(app, o->backend);
+  app.add_option("--spec", o->spec,
+                 "MTP speculative decoding: at most K draft tokens per step and request, 1..4 (default 0 = off)")
+      ->check(CLI::Range(0, 4));
   app.add_option("--host", o->host, "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)");
   app.add_option("--port", o->port, "TCP port (default 8080; 0: any free port)")->check(CLI::Range(0, 65535));
   app.add_option("--port-file", o->port_file, "write the port listened on to this file (with --port 0)");
@@ -252,8 +263,7 @@ void register_serve(CLI::App& app, CommandRunner& run) {
   auto* think = app.add_flag("--think", o->think, "reason first unless a request says otherwise (default)");
   app.add_flag("--nothink", o->nothink, "answer directly unless a request asks for reasoning")->excludes(think);
   app.add_option("--effort-table", o->effort_table, "reasoning-effort prompts of: v4 or 0731")->check(CLI::IsMember({"v4", "0731"}));
-  app.add_option("-t,--threads", o->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
-  app.add_flag("--fast", o->fast, "integer dot products on quantised activations (not the fp32 reference)");
+  app.add_option("-t,--threads", o->backend.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   app.add_option("--max-body", o->max_body, "largest request body; larger get 413 (default 16M)");
   app.add_option("--http-threads", o->http_threads, "connections served at once (default 64)");
   add_intervention_flags(app, o->interventions);

@@ -90,6 +90,7 @@ Status validate_session_flags(const SessionFlags& f) {
   for (int32_t t : f.stop_token)
     if (t < 0) return Status::errorf("--stop-token {} is not a token id", t);
   DSV4_TRY(validate_intervention_flags(f.interventions));
+  DSV4_TRY(device_memory_bytes(f.backend).status());
   if (!f.effort.empty()) {
     const bool ok = f.effort_table == "v4" ? (f.effort == "high" || f.effort == "max")
                                            : (f.effort == "low" || f.effort == "high" || f.effort == "max");
@@ -120,10 +121,12 @@ Result<Session> open_session(const SessionFlags& f, const char* command) {
   DSV4_ASSIGN_OR_RETURN(s.backend, make_backend(f.backend, command));
   ModelOptions mo;
   mo.matmul = matmul_mode(f.backend, s.backend);
+  DSV4_ASSIGN_OR_RETURN(mo.device_memory, device_memory_bytes(f.backend));
   // The generator keeps one sequence (two while it replaces one); the --ctx default is its.
   mo.cache = cache_options(s.backend, 2, f.ctx ? f.ctx : 16384);
   mo.mtp_path = f.mtp;
   DSV4_ASSIGN_OR_RETURN(s.model, Model::load(s.model_path, *s.backend.backend, mo));
+  if (s.backend.device || s.backend.sized_as_device) fmt::print(stderr, "{}: device memory: {}\n", command, s.model->memory_plan().describe());
   const size_t vocab = s.model->config().vocab_size;
   if (s.tokenizer->vocab_size() > vocab)
     return Status::errorf("{}: the tokenizer has {} tokens but the model's vocabulary is {}", s.model_path,

@@ -85,7 +85,7 @@ class ReplyPrinter {
   void show(const text::OutputDelta& d);
   text::OutputParser parser_;
   bool print_, color_;
-  bool in_reasoning_ = false, reasoning_shown_ = false, answer_started_ = false;
+  bool in_reasoning_ = false, reasoning_shown_ = false;
   bool at_line_start_ = true;
 };
 

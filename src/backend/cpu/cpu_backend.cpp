@@ -198,11 +198,15 @@ Status CpuBackend::copy_rows(const Tensor& src, const Tensor& dst) {
 Status CpuBackend::fill(const Tensor& t, float value) {
   if (t.type != GgmlType::F32 && t.type != GgmlType::I32)
     return Status::errorf("cpu fill: {} is neither f32 nor i32", t.describe());
-  const int32_t as_int = static_cast<int32_t>(value);
-  for (int64_t r = 0; r < t.rows(); ++r) {
-    if (t.type == GgmlType::F32) std::fill_n(f32_row(t, r), t.cols(), value);
-    else std::fill_n(i32_row(t, r), t.cols(), as_int);
+  if (t.type == GgmlType::F32) {
+    for (int64_t r = 0; r < t.rows(); ++r) std::fill_n(f32_row(t, r), t.cols(), value);
+    return Status::ok();
   }
+  // Converting a float outside int32's range (an f32 fill's -inf) is undefined behaviour.
+  if (!(value >= -2147483648.0f && value < 2147483648.0f) || value != std::trunc(value))
+    return Status::errorf("cpu fill: {} is not an int32 value for {}", value, t.describe());
+  const auto as_int = static_cast<int32_t>(value);
+  for (int64_t r = 0; r < t.rows(); ++r) std::fill_n(i32_row(t, r), t.cols(), as_int);
   return Status::ok();
 }
 
@@ -271,6 +275,41 @@ Status CpuBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Mat
     }, 4);
     return Status::ok();
   }
+  if (mode == MatmulMode::Sequential) {
+    // Per output, an fma chain from zero over each block of kSequentialBlock inputs, the
+    // blocks' sums added in order: the K blocking of the reference's fp32 sgemm (tiny-v41's
+    // main_proj, K = 384, is bit-identical this way). F32 weights run four outputs side by
+    // side; other types decode a row at a time.
+    constexpr int64_t kSequentialBlock = 192;
+    pool_->parallel_for(n_out, [&](int64_t b, int64_t e, int) {
+      std::vector<float> decoded;
+      for (int64_t o0 = b; o0 < e; o0 += 4) {
+        const int64_t m = std::min<int64_t>(4, e - o0);
+        const float* r[4] = {};
+        for (int64_t j = 0; j < m; ++j) {
+          if (w.type == GgmlType::F32) {
+            r[j] = reinterpret_cast<const float*>(byte_row(w, o0 + j));
+            continue;
+          }
+          decoded.resize(static_cast<size_t>(4 * n_in));
+          dequantize_row(w.type, byte_row(w, o0 + j), decoded.data() + j * n_in, n_in);
+          r[j] = decoded.data() + j * n_in;
+        }
+        for (int64_t s = 0; s < n_rows; ++s) {
+          const float* in = f32_row(x, s);
+          float sum[4] = {0, 0, 0, 0};
+          for (int64_t k0 = 0; k0 < n_in; k0 += kSequentialBlock) {
+            float acc[4] = {0, 0, 0, 0};
+            for (int64_t k = k0; k < std::min(n_in, k0 + kSequentialBlock); ++k)
+              for (int64_t j = 0; j < m; ++j) acc[j] = std::fma(r[j][k], in[k], acc[j]);
+            for (int64_t j = 0; j < m; ++j) sum[j] = k0 == 0 ? acc[j] : sum[j] + acc[j];
+          }
+          for (int64_t j = 0; j < m; ++j) f32_row(y, s)[o0 + j] = sum[j];
+        }
+      }
+    }, 4);
+    return Status::ok();
+  }
   pool_->parallel_for(n_out, [&](int64_t b, int64_t e, int) {
     for (int64_t o = b; o < e; ++o)
       for (int64_t s = 0; s < n_rows; ++s)
@@ -304,6 +343,22 @@ Status CpuBackend::rms_norm(const Tensor& x, const Tensor* weight, float eps, in
     for (int64_t s = b; s < e; ++s)
       for (int64_t g = 0; g < x.cols(); g += width)
         cpu::rms_norm(f32_row(x, s) + g, w, eps, width, f32_row(y, s) + g);
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::rms_norm_torch_order(const Tensor& x, const Tensor* weight, float eps, int64_t width,
+                                        const Tensor& y) {
+  DSV4_TRY(expect(x, "rms_norm_torch_order", "x", GgmlType::F32, -1, -1));
+  DSV4_TRY(expect(y, "rms_norm_torch_order", "y", GgmlType::F32, x.rows(), x.cols()));
+  if (width <= 0 || x.cols() % width)
+    return Status::errorf("rms_norm_torch_order: width {} does not divide row {}", width, x.cols());
+  if (weight) DSV4_TRY(expect(*weight, "rms_norm_torch_order", "weight", GgmlType::F32, -1, width));
+  const float* w = weight ? static_cast<const float*>(weight->data) : nullptr;
+  pool_->parallel_for(x.rows(), [&](int64_t b, int64_t e, int) {
+    for (int64_t s = b; s < e; ++s)
+      for (int64_t g = 0; g < x.cols(); g += width)
+        cpu::rms_norm_torch_order(f32_row(x, s) + g, w, eps, width, f32_row(y, s) + g);
   });
   return Status::ok();
 }
@@ -436,6 +491,7 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
   if (keys.ratio) DSV4_TRY(expect_paged(keys.entries, "attention", d));
   if (selected) DSV4_TRY(expect(keys.selected, "attention", "selected", GgmlType::I32, n, -1));
   const int64_t comp_slots = selected ? keys.selected.cols() : 0;
+  if (keys.draft_block && keys.ratio) return Status::error("attention: a draft block reads no compressed entries");
 
   // Every key a row reads must exist: rows of its own sequence, pages in place.
   for (int64_t r = 0; r < n; ++r) {
@@ -468,9 +524,15 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
       const int64_t t = v.positions[r], first_pos = sq[kSeqFirstPos], first_row = sq[kSeqFirstRow];
       const int32_t slot = sq[kSeqSlot];
       key_rows.clear();
-      for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], t - win + 1); p <= t; ++p)
-        key_rows.push_back(p >= first_pos ? f32_row(keys.chunk, first_row + (p - first_pos))
-                                          : f32_row(keys.ring.data, slot * win + p % win));
+      if (keys.draft_block) {  // the ring up to the block, then the whole block (non-causal)
+        for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], first_pos - win); p < first_pos; ++p)
+          key_rows.push_back(f32_row(keys.ring.data, slot * win + p % win));
+        for (int64_t i = 0; i < sq[kSeqRows]; ++i) key_rows.push_back(f32_row(keys.chunk, first_row + i));
+      } else {
+        for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], t - win + 1); p <= t; ++p)
+          key_rows.push_back(p >= first_pos ? f32_row(keys.chunk, first_row + (p - first_pos))
+                                            : f32_row(keys.ring.data, slot * win + p % win));
+      }
       if (keys.ratio) {
         if (selected) {
           for (int64_t j = 0; j < comp_slots; ++j)

@@ -38,6 +38,8 @@ class CpuBackend final : public Backend {
   Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) override;
   Status rms_norm(const Tensor& x, const Tensor* weight, float eps, int64_t width,
                   const Tensor& y) override;
+  Status rms_norm_torch_order(const Tensor& x, const Tensor* weight, float eps, int64_t width,
+                              const Tensor& y) override;
   Status rope(const Tensor& x, int64_t head_dim, const Tensor& positions, const RopeParams& p,
               bool inverse) override;
   Status add(const Tensor& x, const Tensor& y) override;

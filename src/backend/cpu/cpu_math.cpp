@@ -7,6 +7,48 @@
 
 namespace dsv4::backend::cpu {
 
+float torch_sum_squares(const float* x, int64_t n) {
+  constexpr int kLanes = 8, kIlp = 4, kLevels = 4;
+  // Squared first, into memory: the sums below must add rounded squares (no fma).
+  std::vector<float> sq(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) sq[i] = x[i] * x[i];
+  const int64_t vecs = n / kLanes, rows = vecs / kIlp;
+  int64_t ceil_log2 = 1;  // torch's CeilLog2 (1 for sizes up to 2)
+  while ((int64_t{1} << ceil_log2) < rows) ++ceil_log2;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels), level_step = int64_t{1} << level_power;
+  const int64_t level_mask = level_step - 1;
+  float acc[kLevels][kIlp][kLanes] = {};
+  const auto add_row = [&](int64_t row) {
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < kLanes; ++l) acc[0][k][l] += sq[(row * kIlp + k) * kLanes + l];
+  };
+  int64_t i = 0;
+  while (i + level_step <= rows) {  // multi_row_sum: full level steps climb the cascade
+    for (int64_t j = 0; j < level_step; ++j, ++i) add_row(i);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int l = 0; l < kLanes; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0;
+        }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < kLanes; ++l) acc[0][k][l] += acc[j][k][l];
+  float (&part)[kIlp][kLanes] = acc[0];
+  for (int64_t v = rows * kIlp; v < vecs; ++v)  // row_sum: vectors left over
+    for (int l = 0; l < kLanes; ++l) part[0][l] += sq[v * kLanes + l];
+  for (int k = 1; k < kIlp; ++k)
+    for (int l = 0; l < kLanes; ++l) part[0][l] += part[k][l];
+  float sum = 0;  // vectorized_inner_sum: the scalar tail, then the lanes
+  for (int64_t e = vecs * kLanes; e < n; ++e) sum += sq[e];
+  for (int l = 0; l < kLanes; ++l) sum += part[0][l];
+  return sum;
+}
+
 std::vector<float> rope_frequencies(const RopeParams& p) {
   const int half = p.dims / 2;
   std::vector<float> omega(half);

@@ -29,6 +29,18 @@ inline void rms_norm(const float* x, const float* w, float eps, int64_t n, float
   for (int64_t i = 0; i < n; ++i) y[i] = w ? x[i] * r * w[i] : x[i] * r;
 }
 
+// sum(x[i]^2) in fp32 in torch's CPU order for a contiguous row (at::native SumKernel's
+// vectorized_inner_sum on AVX2: 8-lane vectors, row_sum's 4 interleaved accumulators, each
+// a multi_row_sum cascade of 4 levels, then the lanes left to right after the tail). The
+// squares are rounded before they are added, as x.square() materialises them.
+float torch_sum_squares(const float* x, int64_t n);
+
+// rms_norm with the statistic as torch computes it: sum / n in fp32, then 1 / sqrt.
+inline void rms_norm_torch_order(const float* x, const float* w, float eps, int64_t n, float* y) {
+  const float r = 1.0f / std::sqrt(torch_sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = w ? x[i] * r * w[i] : x[i] * r;
+}
+
 // omega_i for i < dims/2 (spec §2.1), in fp32 as the reference's precompute_freqs_cis.
 std::vector<float> rope_frequencies(const RopeParams& p);
 

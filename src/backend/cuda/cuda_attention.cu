@@ -71,6 +71,8 @@ static_assert(kSeqFields == cuda::kStepSeqFields, "the step metadata layout of b
 
 Status CudaBackend::attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows, const Tensor& sink,
                               float scale, const Tensor& out) {
+  if (keys.draft_block)
+    return Status::error("attention: the DSpark draft block runs on the CPU backend only");
   const int64_t d = keys.chunk.cols(), n = rows.n, win = keys.window;
   const int64_t n_heads = d ? q.cols() / d : 0;
   DSV4_ASSIGN_OR_RETURN(const StepMeta m, meta_of(rows, "attention"));

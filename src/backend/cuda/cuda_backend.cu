@@ -497,6 +497,13 @@ DeviceMemory CudaBackend::memory() const {
   return m;
 }
 
+static_assert(cuda::kCublasLtWorkspaceBytes == kDeviceWorkspaceBytes, "backend.h states the workspace");
+
+DeviceMemoryState CudaBackend::device_memory() const {
+  const DeviceMemory m = memory();
+  return {m.free_bytes, m.scratch_bytes + cuda::kCublasLtWorkspaceBytes};
+}
+
 Status CudaBackend::synchronize() {
   DSV4_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
   return Status::ok();
@@ -630,6 +637,8 @@ Status CudaBackend::fill(const Tensor& t, float value) {
     DSV4_ASSIGN_OR_RETURN(const Mat<float> v, cudaops::f32(t, this, "fill", "t", -1, -1));
     fill_kernel<float><<<cudaops::grid_for(v.rows * v.cols), 256, 0, impl_->stream>>>(v, value);
   } else if (t.type == GgmlType::I32) {
+    if (!(value >= -2147483648.0f && value < 2147483648.0f) || value != std::trunc(value))
+      return Status::errorf("cuda fill: {} is not an int32 value for {}", value, t.describe());
     DSV4_ASSIGN_OR_RETURN(const Mat<int32_t> v, cudaops::i32(t, this, "fill", "t", -1, -1));
     fill_kernel<int32_t><<<cudaops::grid_for(v.rows * v.cols), 256, 0, impl_->stream>>>(v, static_cast<int32_t>(value));
   } else {

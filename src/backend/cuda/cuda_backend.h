@@ -33,7 +33,7 @@ struct CudaBackendOptions {
   int device = 0;
   // First scratch chunk; scratch grows by further chunks between steps when a step needed
   // more (a graph capture needs the arena already grown: run the step once first).
-  size_t scratch_bytes = size_t{256} << 20;
+  size_t scratch_bytes = kDefaultDeviceScratchBytes;
   // Called during weight upload with (bytes done, bytes total); empty: quiet.
   std::function<void(uint64_t, uint64_t)> on_upload_progress;
 };
@@ -54,6 +54,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   cudaStream_t stream() const;
   DeviceMemory memory() const;
+  DeviceMemoryState device_memory() const override;  // free bytes, scratch + workspace held
   // Waits for everything enqueued so far (downloads do this themselves).
   Status synchronize() override;
 
