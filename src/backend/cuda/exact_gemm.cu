@@ -118,9 +118,54 @@ __global__ void __launch_bounds__(kThreads) exact_gemm_kernel(const GemmArgs a) 
   }
 }
 
+// One activation row (dense decode): the same sums as exact_gemm_kernel<T, 1>, each lane's
+// fmaf chain over k = lane, lane + 32, ... in the same order, but with the activations read
+// straight from global memory and kRowDepth weight and activation loads issued before their
+// products: the shared-memory tile of the general kernel put a barrier and a round trip to
+// memory on every 128 values of k, which made the hyper-connection mixes ([1, 16384] x
+// [16384, 24], three blocks on the whole GPU) a third of a decode step (issue 10's profile).
+// One warp per block, so the few warps of a narrow product land on different SMs.
+constexpr int kRowDepth = 16;
+
+template <GgmlType T>
+__global__ void __launch_bounds__(32) exact_row_kernel(const GemmArgs a) {
+  constexpr bool kPlain = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16;
+  const int lane = threadIdx.x & 31;
+  const int64_t o = blockIdx.x;  // grid.x: as many outputs as a vocabulary-wide head has
+  if (o >= a.n) return;
+  const uint8_t* wrow = a.w + o * a.row_bytes;
+  const float* x = a.x;
+  const int64_t k32 = a.k / 32 * 32;
+  float acc = 0.0f;
+  int64_t i = lane;
+  for (; i + 32 * (kRowDepth - 1) < k32; i += 32 * kRowDepth) {
+    float wv[kRowDepth], xv[kRowDepth];
+#pragma unroll
+    for (int d = 0; d < kRowDepth; ++d) {
+      wv[d] = exact::element<T>(wrow, i + 32 * d, a.tables);
+      xv[d] = x[i + 32 * d];
+    }
+#pragma unroll
+    for (int d = 0; d < kRowDepth; ++d) acc = fmaf(wv[d], xv[d], acc);
+  }
+  for (; i < k32; i += 32) acc = fmaf(exact::element<T>(wrow, i, a.tables), x[i], acc);
+  if constexpr (kPlain) {  // dot_plain: 8-wide chunks past the last 32 into a_0..a_7
+    for (int64_t c = k32; c + 8 <= a.k; c += 8)
+      if (lane < 8) acc = fmaf(exact::element<T>(wrow, c + lane, a.tables), x[c + lane], acc);
+  }
+  float sum = cpu_order_sum(acc);
+  if (lane == 0) {
+    if constexpr (kPlain)
+      for (int64_t c = a.k / 8 * 8; c < a.k; ++c) sum = fmaf(exact::element<T>(wrow, c, a.tables), x[c], sum);
+    a.y[o] = sum;
+  }
+}
+
 template <GgmlType T>
 Status launch(const GemmArgs& a, int tm, dim3 grid, cudaStream_t stream) {
-  if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
+  if (tm == 1 && a.tile_count == nullptr && a.m == 1)
+    exact_row_kernel<T><<<dim3(static_cast<unsigned>(a.n), 1, 1), 32, 0, stream>>>(a);
+  else if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
   else if (tm == 4) exact_gemm_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
   else exact_gemm_kernel<T, kExactTileRows><<<grid, kThreads, 0, stream>>>(a);
   DSV4_CUDA_TRY_LAUNCH();
