@@ -26,6 +26,12 @@
 #   flash      dsv4 synth --fill random-blocks of the whole V4-Flash geometry (43 layers, q2k
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
+#   profile    ncu's per-kernel GPU time of batch-1 decode steps (no graphs) on a 2-layer cut of
+#              the geometry (DSV4_GPU_PROFILE_LAYERS): profile.txt, the kernels by total time
+#   upstream   issue 12's check 3: llama.cpp's own converter (convert_hf_to_gguf.py, torch) turns
+#              a synthetic official checkpoint into a trunk and an MTP sidecar, and dsv4 and
+#              llama.cpp's logits on it are compared (tests/llamacpp/upstream_convert.sh; needs
+#              build-gpu-llama/upstream.tar.gz from prepare)
 #   kernels    the kernel benchmarks (cuda_bench_*; DSV4_GPU_BENCHES names a subset, "" none)
 # Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_BUILD=0 (use
 # the staged binaries even where the build dependencies exist), DSV4_GPU_SHM (where the
@@ -78,6 +84,17 @@ stage_llama() {
   rm -rf "$tmp"
 }
 
+# Issue 12's check 3 on the GPU machine (it has torch): llama.cpp's converter (the script,
+# its conversion/ package and gguf-py, pure Python) and llama_logits, our program over the
+# CPU build of libllama (tests/llamacpp/build.sh, built here).
+stage_upstream() {
+  local cache="${DSV4_CACHE_DIR:-$HOME/.cache/dsv4}" src lbuild
+  src="$cache/llama_cpp_python-$llama_version/vendor/llama.cpp"
+  lbuild="$(bash tests/llamacpp/build.sh | tail -1)" || return 1
+  tar -czf "$llama_stage/upstream.tar.gz" -C "$src" convert_hf_to_gguf.py conversion gguf-py \
+    -C "$lbuild" llama_logits || return 1
+}
+
 if [ "$mode" = prepare ]; then
   set -e
   dir="${DSV4_GPU_BUILD_DIR:-build-cuda}"  # any build dir configured with -DDSV4_CUDA=ON
@@ -104,6 +121,7 @@ if [ "$mode" = prepare ]; then
   (cd "$files" && ls -l . lib compat) >"$stage/contents.txt"
   rm -rf "$files"
   stage_llama
+  stage_upstream
   du -sh "$stage" "$llama_stage"
   total=$(du -cb "$stage" "$llama_stage" | tail -1 | cut -f1)
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -116,7 +134,7 @@ fi
 out="${OUT:-$PWD/gpu-out}"
 work="${DSV4_GPU_WORK:-/tmp/dsv4-gpu}"
 shm="${DSV4_GPU_SHM:-/dev/shm}"
-steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash kernels} "
+steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash profile upstream kernels} "
 budget="${DSV4_GPU_BUDGET:-550}"
 cut_layers="${DSV4_GPU_CUT_LAYERS:-4}"
 mkdir -p "$out" "$work"
@@ -141,6 +159,7 @@ refresh_out() {
   cat "$work"/*.log 2>/dev/null | grep -a '^TABLE|' >"$work/table.txt"
   cp "$work/table.txt" "$work/steps.txt" "$out/" 2>/dev/null
   for j in dsv4_flash dsv4_cut llama_bench; do [ -f "$work/$j.json" ] && cp "$work/$j.json" "$out/"; done
+  [ -f "$work/profile.txt" ] && cp "$work/profile.txt" "$out/"
   tar -czf "$out/logs.tar.gz" -C "$work" $(cd "$work" && ls ./*.log ./*.txt ./*.json 2>/dev/null)
 }
 # step NAME CAP COMMAND...: runs with a time cap, output in $work/NAME.log, status in steps.txt.
@@ -333,6 +352,49 @@ if has flash; then
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
   fi
   rm -f "$flash"
+fi
+
+# ---- where a decode step's time goes: ncu on a cut of the geometry -----------------------
+if has profile && command -v ncu >/dev/null; then
+  prof_layers="${DSV4_GPU_PROFILE_LAYERS:-2}"
+  prof="$shm/dsv4-flash-profile$prof_layers.gguf"
+  step synth_profile 60 "$bin/dsv4" synth --preset flash --layers "$prof_layers" --no-mtp --recipe q2k \
+    --fill random-blocks --seed 1 --force -o "$prof"
+  # 1 warm-up + 4 timed steps without graphs: each kernel of a step shows up 5 times.
+  step profile 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --log-file "$work/ncu.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts decode --depths 4096 \
+    --steps 4 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
+  python3 - "$work/ncu.csv" >"$work/profile.txt" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, rows = rows[0], rows[1:]
+name, value = head.index("Kernel Name"), head.index("Metric Value")
+total, count = collections.Counter(), collections.Counter()
+for r in rows:
+    k = r[name].split("(")[0][:90]
+    total[k] += float(r[value]) / 1e3
+    count[k] += 1
+print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel (all launches of the run: load, fill, 5 decode steps)")
+for k, t in total.most_common(40):
+    print(f"{t:10.1f} {count[k]:8d} {t / count[k]:9.1f}  {k}")
+print(f"{sum(total.values()):10.1f} {sum(count.values()):8d}            all")
+PY
+  head -25 "$work/profile.txt"
+  rm -f "$prof"
+  refresh_out
+fi
+
+# ---- issue 12, check 3: llama.cpp's converter's files in dsv4 -----------------------------
+if has upstream; then
+  if [ -f "$llama_stage/upstream.tar.gz" ]; then
+    rm -rf "$work/upstream" && mkdir -p "$work/upstream/src" &&
+      tar -xzf "$llama_stage/upstream.tar.gz" -C "$work/upstream/src"
+    step upstream 150 env DSV4_CLI="$bin/dsv4" LLAMA_LOGITS="$work/upstream/src/llama_logits" \
+      LLAMA_CPP_SOURCE="$work/upstream/src" bash tests/llamacpp/upstream_convert.sh "$work/upstream/out"
+    tail -6 "$work/upstream.log"
+  else
+    echo "upstream: no $llama_stage/upstream.tar.gz (run 'scripts/gpu.sh prepare')" | tee -a "$work/steps.txt"
+  fi
 fi
 
 # ---- kernel benchmarks, with what is left ------------------------------------------------

@@ -234,6 +234,29 @@ class EntryEncoder {
   std::vector<uint8_t> bytes_;
 };
 
+// tokenizer_config.json as the official checkpoints ship it (what transformers' AutoTokenizer
+// and llama.cpp's converter read beside tokenizer.json): no BOS/EOS added by the tokenizer,
+// the end-of-sentence token as padding.
+std::string tokenizer_config_json() {
+  const auto token = [](std::string_view content) {
+    return nlohmann::ordered_json{{"__type", "AddedToken"}, {"content", content}, {"lstrip", false},
+                                  {"normalized", true},     {"rstrip", false},    {"single_word", false}};
+  };
+  nlohmann::ordered_json c;
+  c["add_bos_token"] = false;
+  c["add_eos_token"] = false;
+  c["bos_token"] = token("<\uff5cbegin\u2581of\u2581sentence\uff5c>");
+  c["clean_up_tokenization_spaces"] = false;
+  c["eos_token"] = token("<\uff5cend\u2581of\u2581sentence\uff5c>");
+  c["legacy"] = true;
+  c["model_max_length"] = 1048576;
+  c["pad_token"] = token("<\uff5cend\u2581of\u2581sentence\uff5c>");
+  c["sp_model_kwargs"] = nlohmann::ordered_json::object();
+  c["unk_token"] = nullptr;
+  c["tokenizer_class"] = "PreTrainedTokenizerFast";
+  return c.dump(2) + "\n";
+}
+
 Status write_text(const std::filesystem::path& path, std::string_view text) {
   const auto temp = path.string() + ".tmp";
   {
@@ -320,8 +343,10 @@ Result<SyntheticCheckpointReport> write_synthetic_checkpoint(const std::filesyst
   index["weight_map"] = weight_map;
   DSV4_TRY(write_text(dir / "model.safetensors.index.json", index.dump(2) + "\n"));
   // V4.1 needs the tokenizer: the converter derives the Engram token map from it.
-  if (options.write_tokenizer || config.model.engram)
+  if (options.write_tokenizer || config.model.engram) {
     DSV4_TRY(write_text(dir / "tokenizer.json", text::builtin_tokenizer_json()));
+    DSV4_TRY(write_text(dir / "tokenizer_config.json", tokenizer_config_json()));
+  }
   // Last: a folder without config.json is not taken for a checkpoint.
   DSV4_TRY(write_text(dir / "config.json", checkpoint_config_json(config)));
   return report;

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "convert/converter.h"
 #include "convert/official_tensor.h"
@@ -33,6 +35,17 @@ TEST(SyntheticV41Test, ReleaseFormatCheckpointConverts) {
   EXPECT_TRUE(back->model.is_v41());
   EXPECT_EQ(back->model.kv_source_layers, opts.config.model.kv_source_layers);
   EXPECT_EQ(back->model.engram->table_rows, opts.config.model.engram->table_rows);
+
+  // tokenizer_config.json beside tokenizer.json, as in the official folders (llama.cpp's
+  // converter and transformers read it): its BOS/EOS are tokens 0 and 1 of tokenizer.json.
+  const auto tokenizer = nlohmann::json::parse(std::ifstream(dir / "ckpt" / "tokenizer.json"), nullptr, false);
+  const auto tconfig = nlohmann::json::parse(std::ifstream(dir / "ckpt" / "tokenizer_config.json"), nullptr, false);
+  ASSERT_FALSE(tokenizer.is_discarded());
+  ASSERT_FALSE(tconfig.is_discarded());
+  EXPECT_EQ(tconfig["tokenizer_class"], "PreTrainedTokenizerFast");
+  EXPECT_EQ(tconfig["add_bos_token"], false);
+  EXPECT_EQ(tokenizer["model"]["vocab"][tconfig["bos_token"]["content"].get<std::string>()], 0);
+  EXPECT_EQ(tokenizer["model"]["vocab"][tconfig["eos_token"]["content"].get<std::string>()], 1);
 
   ConvertOptions c;
   c.checkpoint_dir = dir / "ckpt";
