@@ -24,6 +24,11 @@ if [ ! -f "$src/CMakeLists.txt" ]; then
   tar -xzf "$sdist" -C "$cache"
 fi
 
+# A build configured from another checkout of this folder (a worktree since removed) is
+# configured again from here; its objects stay valid (same source, same flags).
+if [ -f "$build/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$here" "$build/CMakeCache.txt"; then
+  rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles" "$build/build.ninja"
+fi
 if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CPP_SOURCE="$src" \
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_OPENMP=OFF -DGGML_CCACHE=OFF \
