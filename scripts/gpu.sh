@@ -26,6 +26,8 @@
 #   flash      dsv4 synth --fill random-blocks of the whole V4-Flash geometry (43 layers, q2k
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
+#   serve      dsv4 serve --backend cuda on the same file, 1/16/64 streaming clients
+#              (bench/bench_serve_load.py: time to first token, per output token, tok/s)
 #   profile    ncu's per-kernel GPU time of batch-1 decode steps (no graphs) on a 2-layer cut of
 #              the geometry (DSV4_GPU_PROFILE_LAYERS): profile.txt, the kernels by total time
 #   upstream   issue 12's check 3: llama.cpp's own converter (convert_hf_to_gguf.py, torch) turns
@@ -134,7 +136,7 @@ fi
 out="${OUT:-$PWD/gpu-out}"
 work="${DSV4_GPU_WORK:-/tmp/dsv4-gpu}"
 shm="${DSV4_GPU_SHM:-/dev/shm}"
-steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash profile upstream kernels} "
+steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash serve profile upstream kernels} "
 budget="${DSV4_GPU_BUDGET:-550}"
 cut_layers="${DSV4_GPU_CUT_LAYERS:-4}"
 mkdir -p "$out" "$work"
@@ -339,17 +341,24 @@ stop_llama_build
 reserve=0
 
 # ---- dsv4 on the whole V4-Flash geometry -------------------------------------------------
-if has flash; then
+if has flash || has serve; then
   flash_flags=(--preset flash --no-mtp --recipe q2k --fill random-blocks --seed 1)
   layers=$(shm_layers "${DSV4_GPU_FLASH_LAYERS:-43}" "${flash_flags[@]}")
   flash="$shm/dsv4-flash$layers.gguf"
   step synth_flash 120 "$bin/dsv4" synth "${flash_flags[@]}" --layers "$layers" --force -o "$flash"
   grep -a "wrote" "$work/synth_flash.log"
-  if [ -f "$flash" ]; then
+  if has flash && [ -f "$flash" ]; then
     step dsv4_flash 300 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" \
       --depths 4096,32768,131072 --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
       --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
+  fi
+  # The server on the same file: 1, 16 and 64 streaming clients (bench/bench_serve_load.py).
+  if has serve && [ -f "$flash" ]; then
+    step serve 240 env DSV4_SERVE_LOG="$work/serve_server.log" python3 bench/bench_serve_load.py \
+      --cli "$bin/dsv4" -m "$flash" --backend cuda --clients 1,16,64 --prompt 512 --tokens 128 \
+      --json "$work/serve.json"
+    grep -a '^TABLE|' "$work/serve.log" | cut -d'|' -f3-7
   fi
   rm -f "$flash"
 fi
