@@ -94,7 +94,7 @@ stage_upstream() {
   src="$cache/llama_cpp_python-$llama_version/vendor/llama.cpp"
   lbuild="$(bash tests/llamacpp/build.sh | tail -1)" || return 1
   tar -czf "$llama_stage/upstream.tar.gz" -C "$src" convert_hf_to_gguf.py conversion gguf-py \
-    -C "$lbuild" llama_logits || return 1
+    -C "$lbuild" llama_logits bin/llama-quantize || return 1
 }
 
 if [ "$mode" = prepare ]; then
@@ -162,7 +162,7 @@ refresh_out() {
   cp "$work/table.txt" "$work/steps.txt" "$out/" 2>/dev/null
   for j in dsv4_flash dsv4_cut llama_bench; do [ -f "$work/$j.json" ] && cp "$work/$j.json" "$out/"; done
   [ -f "$work/profile.txt" ] && cp "$work/profile.txt" "$out/"
-  tar -czf "$out/logs.tar.gz" -C "$work" $(cd "$work" && ls ./*.log ./*.txt ./*.json 2>/dev/null)
+  tar -czf "$out/logs.tar.gz" -C "$work" $(cd "$work" && ls ./*.log ./*.txt ./*.json ./*.csv 2>/dev/null)
 }
 # step NAME CAP COMMAND...: runs with a time cap, output in $work/NAME.log, status in steps.txt.
 step() {
@@ -381,7 +381,7 @@ name, value = head.index("Kernel Name"), head.index("Metric Value")
 total, count = collections.Counter(), collections.Counter()
 for r in rows:
     k = r[name].split("(")[0][:90]
-    total[k] += float(r[value]) / 1e3
+    total[k] += float(r[value].replace(",", "")) / 1e3
     count[k] += 1
 print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel (all launches of the run: load, fill, 5 decode steps)")
 for k, t in total.most_common(40):
@@ -399,6 +399,7 @@ if has upstream; then
     rm -rf "$work/upstream" && mkdir -p "$work/upstream/src" &&
       tar -xzf "$llama_stage/upstream.tar.gz" -C "$work/upstream/src"
     step upstream 150 env DSV4_CLI="$bin/dsv4" LLAMA_LOGITS="$work/upstream/src/llama_logits" \
+      LLAMA_QUANTIZE="$work/upstream/src/bin/llama-quantize" \
       LLAMA_CPP_SOURCE="$work/upstream/src" bash tests/llamacpp/upstream_convert.sh "$work/upstream/out"
     tail -6 "$work/upstream.log"
   else
