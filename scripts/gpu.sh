@@ -26,6 +26,8 @@
 #   flash      dsv4 synth --fill random-blocks of the whole V4-Flash geometry (43 layers, q2k
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
+#   spec       dsv4 bench --parts spec on the same file (it has its MTP block): MTP speculation's
+#              verify, draft and rollback costs at batch 1 and 16 (issue 15)
 #   serve      dsv4 serve --backend cuda on the same file, 1/16/64 streaming clients
 #              (bench/bench_serve_load.py: time to first token, per output token, tok/s)
 #   profile    ncu's per-kernel GPU time of batch-1 decode steps (no graphs) on a 2-layer cut of
@@ -136,7 +138,7 @@ fi
 out="${OUT:-$PWD/gpu-out}"
 work="${DSV4_GPU_WORK:-/tmp/dsv4-gpu}"
 shm="${DSV4_GPU_SHM:-/dev/shm}"
-steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash serve profile upstream kernels} "
+steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash spec serve profile upstream kernels} "
 budget="${DSV4_GPU_BUDGET:-550}"
 cut_layers="${DSV4_GPU_CUT_LAYERS:-4}"
 mkdir -p "$out" "$work"
@@ -341,8 +343,9 @@ stop_llama_build
 reserve=0
 
 # ---- dsv4 on the whole V4-Flash geometry -------------------------------------------------
-if has flash || has serve; then
-  flash_flags=(--preset flash --no-mtp --recipe q2k --fill random-blocks --seed 1)
+if has flash || has serve || has spec; then
+  # With its MTP block, for the speculation figures (issue 15); the peer's cut above has none.
+  flash_flags=(--preset flash --recipe q2k --fill random-blocks --seed 1)
   layers=$(shm_layers "${DSV4_GPU_FLASH_LAYERS:-43}" "${flash_flags[@]}")
   flash="$shm/dsv4-flash$layers.gguf"
   step synth_flash 120 "$bin/dsv4" synth "${flash_flags[@]}" --layers "$layers" --force -o "$flash"
@@ -352,6 +355,12 @@ if has flash || has serve; then
       --depths 4096,32768,131072 --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
       --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
+  fi
+  # MTP speculation's parts at 43 layers: plain step, verify k = 1..4, draft, rollback copies.
+  if has spec && [ -f "$flash" ]; then
+    step dsv4_spec 150 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" --parts spec \
+      --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"
+    grep -a '^TABLE|' "$work/dsv4_spec.log" | cut -d'|' -f3-6
   fi
   # The server on the same file: 1, 16 and 64 streaming clients (bench/bench_serve_load.py).
   if has serve && [ -f "$flash" ]; then
@@ -367,13 +376,21 @@ fi
 if has profile && command -v ncu >/dev/null; then
   prof_layers="${DSV4_GPU_PROFILE_LAYERS:-2}"
   prof="$shm/dsv4-flash-profile$prof_layers.gguf"
+  : >"$work/profile.txt"
   step synth_profile 60 "$bin/dsv4" synth --preset flash --layers "$prof_layers" --no-mtp --recipe q2k \
     --fill random-blocks --seed 1 --force -o "$prof"
   # 1 warm-up + 4 timed steps without graphs: each kernel of a step shows up 5 times.
   step profile 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts decode --depths 4096 \
     --steps 4 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
-  python3 - "$work/ncu.csv" >"$work/profile.txt" <<'PY'
+  # Prefill: one untimed and one timed chunk of 4096 tokens.
+  step profile_prefill 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --log-file "$work/ncu_prefill.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts prefill \
+    --prefill 4096 --chunk 4096 --prefill-repeats 1 --label "profile$prof_layers"
+  for what in decode prefill; do
+    csv="$work/ncu.csv"; [ $what = prefill ] && csv="$work/ncu_prefill.csv"
+    [ -f "$csv" ] || continue
+    python3 - "$csv" "$what" >>"$work/profile.txt" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 head, rows = rows[0], rows[1:]
@@ -383,11 +400,14 @@ for r in rows:
     k = r[name].split("(")[0][:90]
     total[k] += float(r[value].replace(",", "")) / 1e3
     count[k] += 1
-print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel (all launches of the run: load, fill, 5 decode steps)")
+what = "5 decode steps" if sys.argv[2] == "decode" else "2 prefill chunks of 4096 tokens"
+print(f"== {sys.argv[2]}: all launches of the run (load, fill, {what})")
+print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel")
 for k, t in total.most_common(40):
     print(f"{t:10.1f} {count[k]:8d} {t / count[k]:9.1f}  {k}")
 print(f"{sum(total.values()):10.1f} {sum(count.values()):8d}            all")
 PY
+  done
   head -25 "$work/profile.txt"
   rm -f "$prof"
   refresh_out
