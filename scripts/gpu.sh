@@ -387,8 +387,12 @@ if has profile && command -v ncu >/dev/null; then
   step profile_prefill 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu_prefill.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts prefill \
     --prefill 4096 --chunk 4096 --prefill-repeats 1 --label "profile$prof_layers"
-  for what in decode prefill; do
-    csv="$work/ncu.csv"; [ $what = prefill ] && csv="$work/ncu_prefill.csv"
+  # Batched decode: 16 sequences, 1 warm-up + 2 timed steps.
+  step profile_batch 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --log-file "$work/ncu_batch.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts aggregate \
+    --batches 16 --batch-depth 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
+  for what in decode prefill batch; do
+    csv="$work/ncu_$what.csv"; [ $what = decode ] && csv="$work/ncu.csv"
     [ -f "$csv" ] || continue
     python3 - "$csv" "$what" >>"$work/profile.txt" <<'PY'
 import csv, sys, collections
@@ -400,7 +404,8 @@ for r in rows:
     k = r[name].split("(")[0][:90]
     total[k] += float(r[value].replace(",", "")) / 1e3
     count[k] += 1
-what = "5 decode steps" if sys.argv[2] == "decode" else "2 prefill chunks of 4096 tokens"
+what = {"decode": "5 decode steps", "prefill": "2 prefill chunks of 4096 tokens",
+        "batch": "3 decode steps of 16 sequences"}[sys.argv[2]]
 print(f"== {sys.argv[2]}: all launches of the run (load, fill, {what})")
 print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel")
 for k, t in total.most_common(40):
