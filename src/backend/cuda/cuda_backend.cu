@@ -180,7 +180,67 @@ __global__ void f32_to_bf16_rows_kernel(Mat<float> x, __nv_bfloat16* __restrict_
 
 // ---- hyper-connections ----------------------------------------------------------------------
 
-// One block per row: the RMS scale of all streams, the split (thread 0), the collapse.
+// ref::hc_split_sinkhorn with one thread per entry of the n x n matrix (threads 0..n*n-1 of
+// the block; every thread of the block must call it). Each entry goes through the same f32
+// operations in the same order as in the one-thread reference (a row or column sum is
+// recomputed by each of its entries, in index order), so the results are bit-identical; the
+// reference on one thread was a chain of ~20k dependent instructions per row, a fifth of a
+// decode step (issue 10's profile).
+__device__ void hc_split_sinkhorn_block(const float* mixes, float rho, const float* scale, const float* base, int n,
+                                        int iters, float eps, float* pre, float* post, float* comb) {
+  __shared__ float c[kMaxHc * kMaxHc];  // c[j * n + k]: row j (source stream), column k
+  const int t = static_cast<int>(threadIdx.x);
+  const bool mine = t < n * n;
+  const int j = mine ? t / n : 0, k = mine ? t % n : 0;
+  if (t < n) {
+    pre[t] = ref::add(ref::sigmoid(ref::fma(ref::mul(mixes[t], rho), scale[0], base[t])), eps);
+    post[t] = ref::mul(2.0f, ref::sigmoid(ref::fma(ref::mul(mixes[n + t], rho), scale[1], base[n + t])));
+  }
+  float v = mine ? ref::fma(ref::mul(mixes[2 * n + t], rho), scale[2], base[2 * n + t]) : 0.0f;
+  const auto publish = [&] {  // every entry's new value visible, after every read of the old ones
+    __syncthreads();
+    if (mine) c[t] = v;
+    __syncthreads();
+  };
+  publish();
+  if (mine) {  // row softmax: the row's max, exp(x - max) ...
+    float m = c[j * n];
+    for (int q = 1; q < n; ++q) m = ref::std_max(m, c[j * n + q]);
+    v = ref::exp(ref::sub(v, m));
+  }
+  publish();
+  if (mine) {  // ... over the row's sum, + eps
+    float sum = 0.0f;
+    for (int q = 0; q < n; ++q) sum = ref::add(sum, c[j * n + q]);
+    v = ref::add(ref::div(v, sum), eps);
+  }
+  publish();
+  const auto normalise_columns = [&] {
+    if (mine) {
+      float sum = 0.0f;
+      for (int q = 0; q < n; ++q) sum = ref::add(sum, c[q * n + k]);
+      v = ref::div(v, ref::add(sum, eps));
+    }
+    publish();
+  };
+  const auto normalise_rows = [&] {
+    if (mine) {
+      float sum = 0.0f;
+      for (int q = 0; q < n; ++q) sum = ref::add(sum, c[j * n + q]);
+      v = ref::div(v, ref::add(sum, eps));
+    }
+    publish();
+  };
+  normalise_columns();
+  for (int it = 1; it < iters; ++it) {
+    normalise_rows();
+    normalise_columns();
+  }
+  if (mine) comb[t] = v;
+}
+
+// One block per row: the RMS scale of all streams, the split (Sinkhorn over n*n threads), the
+// collapse.
 __global__ void hc_pre_kernel(Mat<float> streams, Mat<float> mixes, const float* __restrict__ scale,
                               const float* __restrict__ base, int n_hc, int iters, float hc_eps, float norm_eps,
                               int64_t width, Mat<float> x, Mat<float> post, Mat<float> comb) {
@@ -190,8 +250,7 @@ __global__ void hc_pre_kernel(Mat<float> streams, Mat<float> mixes, const float*
   double ss = 0.0;
   for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
   const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
-  if (threadIdx.x == 0)
-    ref::hc_split_sinkhorn(mixes.row(s), rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
+  hc_split_sinkhorn_block(mixes.row(s), rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
   __syncthreads();
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, pre, n_hc);
 }

@@ -17,7 +17,8 @@ size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 
 struct GemmArgs {
   const uint8_t* w = nullptr;
-  int64_t row_bytes = 0;
+  int64_t row_bytes = 0;       // stride between rows
+  int64_t row_data_bytes = 0;  // bytes of one row's k values (<= row_bytes)
   int64_t matrix_bytes = 0;
   int64_t n = 0, k = 0;
   const float* x = nullptr;
@@ -118,9 +119,71 @@ __global__ void __launch_bounds__(kThreads) exact_gemm_kernel(const GemmArgs a) 
   }
 }
 
+// One activation row (dense decode): the same sums as exact_gemm_kernel<T, 1>, lane l of one
+// warp running a_l's fmaf chain over k = l, l + 32, ... in order. The general kernel's
+// shared-memory tile put a barrier and a round trip to memory on every 128 values of k, which
+// made the hyper-connection mixes ([1, 16384] x [16384, 24]: 24 outputs, three blocks on the
+// whole GPU) a third of a decode step (issue 10's profile). Here one block per output stages
+// its whole weight row and the activations in shared memory with every load in flight (256
+// threads, 16-byte loads where both sides are aligned), then warp 0 runs the chains from
+// shared memory: one memory latency per output instead of one per 128 values of k.
+constexpr int kStageThreads = 256;
+constexpr int64_t kStageMaxBytes = 160 * 1024;  // x (k floats) + one weight row
+
+__device__ __forceinline__ void stage_bytes(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
+                                            int64_t bytes) {
+  int64_t done = 0;
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    const int64_t vectors = bytes / 16;
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+    done = vectors * 16;
+  }
+  for (int64_t b = done + threadIdx.x; b < bytes; b += blockDim.x) dst[b] = src[b];
+}
+
+int64_t staged_x_bytes(int64_t k) { return (k * 4 + 15) / 16 * 16; }
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kStageThreads) exact_row_kernel(const GemmArgs a) {
+  constexpr bool kPlain = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16;
+  extern __shared__ __align__(16) uint8_t staged[];
+  const int64_t o = blockIdx.x;  // grid.x: as many outputs as a vocabulary-wide head has
+  float* x = reinterpret_cast<float*>(staged);
+  uint8_t* wrow = staged + (a.k * 4 + 15) / 16 * 16;
+  stage_bytes(staged, reinterpret_cast<const uint8_t*>(a.x), a.k * 4);
+  stage_bytes(wrow, a.w + o * a.row_bytes, a.row_data_bytes);
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int64_t k32 = a.k / 32 * 32;
+  float acc = 0.0f;
+#pragma unroll 8
+  for (int64_t i = lane; i < k32; i += 32) acc = fmaf(exact::element<T>(wrow, i, a.tables), x[i], acc);
+  if constexpr (kPlain) {  // dot_plain: 8-wide chunks past the last 32 into a_0..a_7
+    for (int64_t c = k32; c + 8 <= a.k; c += 8)
+      if (lane < 8) acc = fmaf(exact::element<T>(wrow, c + lane, a.tables), x[c + lane], acc);
+  }
+  float sum = cpu_order_sum(acc);
+  if (lane == 0) {
+    if constexpr (kPlain)
+      for (int64_t c = a.k / 8 * 8; c < a.k; ++c) sum = fmaf(exact::element<T>(wrow, c, a.tables), x[c], sum);
+    a.y[o] = sum;
+  }
+}
+
 template <GgmlType T>
 Status launch(const GemmArgs& a, int tm, dim3 grid, cudaStream_t stream) {
-  if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
+  const int64_t staged = staged_x_bytes(a.k) + a.row_data_bytes;
+  if (tm == 1 && a.tile_count == nullptr && a.m == 1 && staged <= kStageMaxBytes) {
+    static bool attribute_set = false;  // per instantiation, before any graph capture uses it
+    if (!attribute_set) {
+      DSV4_CUDA_TRY(cudaFuncSetAttribute(exact_row_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kStageMaxBytes)));
+      attribute_set = true;
+    }
+    exact_row_kernel<T><<<dim3(static_cast<unsigned>(a.n), 1, 1), kStageThreads, static_cast<size_t>(staged), stream>>>(a);
+  } else if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
   else if (tm == 4) exact_gemm_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
   else exact_gemm_kernel<T, kExactTileRows><<<grid, kThreads, 0, stream>>>(a);
   DSV4_CUDA_TRY_LAUNCH();
@@ -220,6 +283,8 @@ Status exact_matmul(const ExactWeights& w, const float* x, int64_t ldx, int64_t 
   GemmArgs a;
   a.w = static_cast<const uint8_t*>(w.data);
   a.row_bytes = w.row_bytes;
+  const auto& traits = ggml_traits(w.type);
+  a.row_data_bytes = w.k / traits.block_elems * traits.block_bytes;
   a.n = w.n;
   a.k = w.k;
   a.x = x;
