@@ -7,7 +7,7 @@
 #   scripts/gpu.sh prepare   here (the project's build dependencies, no GPU needed): builds
 #                            build-cuda for sm_90a (test_cuda, the cuda_bench_* programs,
 #                            dsv4) and packs them with the shared libraries the GPU machine
-#                            lacks into build-gpu-bin/stage.tar.gz; downloads the llama-cpp-python 0.3.36
+#                            lacks into build-gpu-bin/stage.tar.xz; downloads the llama-cpp-python 0.3.36
 #                            sdist (its vendor/llama.cpp, the peer) and packs its source,
 #                            without docs and models, in build-gpu-llama/ (never committed).
 #                            Prints the sizes: the device tool carries at most 64 MiB.
@@ -96,7 +96,7 @@ stage_upstream() {
   src="$cache/llama_cpp_python-$llama_version/vendor/llama.cpp"
   lbuild="$(bash tests/llamacpp/build.sh | tail -1)" || return 1
   tar -czf "$llama_stage/upstream.tar.gz" -C "$src" convert_hf_to_gguf.py conversion gguf-py \
-    -C "$lbuild" llama_logits bin/llama-quantize || return 1
+    -C "$lbuild" llama_logits llama_quant || return 1
 }
 
 if [ "$mode" = prepare ]; then
@@ -107,7 +107,12 @@ if [ "$mode" = prepare ]; then
   # device tool carries 64 MiB.
   files="$(mktemp -d)"
   mkdir -p "$files/lib" "$files/compat"
-  cp "$dir"/tests/test_cuda "$dir"/bench/cuda_bench_* "$dir"/dsv4 "$files/"
+  # DSV4_GPU_STAGE_BENCHES: the kernel benchmarks to stage (default all; each binary carries
+  # every kernel's device code, ~60 MB, so a carry near the limit stages fewer).
+  for b in ${DSV4_GPU_STAGE_BENCHES:-$(cd "$dir/bench" && ls cuda_bench_* | sed 's/^cuda_bench_//')}; do
+    cp "$dir/bench/cuda_bench_$b" "$files/"
+  done
+  cp "$dir"/tests/test_cuda "$dir"/dsv4 "$files/"
   strip --strip-unneeded "$files"/test_cuda "$files"/cuda_bench_* "$files"/dsv4 2>/dev/null || true
   # Libraries outside the C runtime and the CUDA toolkit's large ones (cuBLAS comes from the
   # GPU machine's toolkit); libstdc++ separately, used only if the GPU machine's is older.
@@ -121,7 +126,8 @@ if [ "$mode" = prepare ]; then
     esac
   done
   rm -rf "$stage" && mkdir -p "$stage"
-  tar -czf "$stage/stage.tar.gz" -C "$files" .
+  # xz: device code compresses about 6x (gzip: 4x), and the device tool carries 64 MiB.
+  XZ_OPT="-6 -T${DSV4_JOBS:-2}" tar -cJf "$stage/stage.tar.xz" -C "$files" .
   (cd "$files" && ls -l . lib compat) >"$stage/contents.txt"
   rm -rf "$files"
   stage_llama
@@ -212,8 +218,8 @@ if [ -z "$bin" ] && [ "${DSV4_GPU_BUILD:-auto}" != 0 ] && [ -e /usr/include/fmt/
   fi
 fi
 if [ -z "$bin" ]; then
-  [ -f "$stage/stage.tar.gz" ] || { echo "no build dependencies here and no $stage/stage.tar.gz (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
-  rm -rf "$work/stage" && mkdir -p "$work/stage" && tar -xzf "$stage/stage.tar.gz" -C "$work/stage" || exit 1
+  [ -f "$stage/stage.tar.xz" ] || { echo "no build dependencies here and no $stage/stage.tar.xz (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
+  rm -rf "$work/stage" && mkdir -p "$work/stage" && tar -xJf "$stage/stage.tar.xz" -C "$work/stage" || exit 1
   echo "== using the sm_90a binaries staged in $stage/"
   bin="$work/stage"
   libs="$bin/lib"
@@ -424,7 +430,7 @@ if has upstream; then
     rm -rf "$work/upstream" && mkdir -p "$work/upstream/src" &&
       tar -xzf "$llama_stage/upstream.tar.gz" -C "$work/upstream/src"
     step upstream 150 env DSV4_CLI="$bin/dsv4" LLAMA_LOGITS="$work/upstream/src/llama_logits" \
-      LLAMA_QUANTIZE="$work/upstream/src/bin/llama-quantize" \
+      LLAMA_QUANTIZE="$work/upstream/src/llama_quant" \
       LLAMA_CPP_SOURCE="$work/upstream/src" bash tests/llamacpp/upstream_convert.sh "$work/upstream/out"
     tail -6 "$work/upstream.log"
   else
