@@ -134,6 +134,17 @@ int main() {
           set_kernel_choice(KernelChoice{});
         }
       }
+  // The same on 8192->4096 for the further tensor-core types (mmq_chunk32.cuh).
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL,
+                        GgmlType::Q5_K, GgmlType::IQ4_XS})
+    for (int rows : {2, 4, 8, 16, 32, 64}) {
+      run(type, shapes[4], rows, bw, stream, false, "mma", true);
+      if (rows <= 16) {
+        set_kernel_choice(legacy);
+        run(type, shapes[4], rows, bw, stream, false, "dp4a", true);
+        set_kernel_choice(KernelChoice{});
+      }
+    }
   for (int rows : {2, 4, 16}) {
     run(GgmlType::BF16, shapes[4], rows, bw, stream, false, nullptr, true);
     set_kernel_choice(legacy);

@@ -31,6 +31,9 @@
 //                in with 16-bit-lane multiplies; -d per super-block.
 //   Q6_K         two k16 MMAs per chunk on A = q - 32, the int8 scales of each 16 applied to
 //                their products in f32; d per super-block.
+//   Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q5_K, IQ4_XS  A = the int8 levels, scale per 32 and row on
+//                the product, the minimum (Q4_1, Q5_1, Q5_K) times the 32 values' sum
+//                (mmq_chunk32.cuh).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -111,6 +114,13 @@ template <> struct MmqType<GgmlType::Q3_K> : MmqGeometry<256, 110, 2, false> {};
 template <> struct MmqType<GgmlType::Q4_K> : MmqGeometry<256, 144, 4, true> {};
 template <> struct MmqType<GgmlType::Q6_K> : MmqGeometry<256, 210, 2, false> {};
 template <> struct MmqType<GgmlType::MXFP4> : MmqGeometry<32, 17, 1, false> {};
+template <> struct MmqType<GgmlType::Q4_0> : MmqGeometry<32, 18, 2, false> {};
+template <> struct MmqType<GgmlType::Q4_1> : MmqGeometry<32, 20, 4, true> {};
+template <> struct MmqType<GgmlType::Q5_0> : MmqGeometry<32, 22, 2, false> {};
+template <> struct MmqType<GgmlType::Q5_1> : MmqGeometry<32, 24, 4, true> {};
+template <> struct MmqType<GgmlType::IQ4_NL> : MmqGeometry<32, 18, 2, false> {};
+template <> struct MmqType<GgmlType::Q5_K> : MmqGeometry<256, 176, 4, true> {};
+template <> struct MmqType<GgmlType::IQ4_XS> : MmqGeometry<256, 136, 4, false> {};
 
 // Shared memory of one stage and the ring depth for NT column tiles.
 template <GgmlType T, int NT>
@@ -182,6 +192,12 @@ __device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) { return *reinterpr
 __device__ __forceinline__ float half_to_float(uint32_t bits) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xFFFFu)));
 }
+
+}  // namespace dsv4::cuda::detail
+
+#include "backend/cuda/mmq_chunk32.cuh"
+
+namespace dsv4::cuda::detail {
 
 // The activations of one stage as a warp sees them.
 struct MmqStageView {
@@ -276,6 +292,49 @@ __device__ __forceinline__ void mma_chunk(int (&cc)[NT][4], const uint32_t (&a)[
 
 template <GgmlType T, int NT>
 struct MmqStageProduct;
+
+// The types of mmq_chunk32.cuh: one k32 MMA per chunk, scale per 32 and row on its product,
+// the minimum times the 32 activations' sum.
+template <GgmlType T, int NT>
+struct MmqStageProductChunk32 {
+  __device__ __forceinline__ static void run(const uint8_t* r0, const uint8_t* r1, int chunks, const MmqStageView& v,
+                                             int lane, int live, float (&acc)[NT][4]) {
+    using U = MmqChunk32<T>;
+    const int t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < kMmqStageChunks; ++c) {
+      if (c >= chunks) break;
+      uint32_t a[4];
+      float f0, f1, m0, m1;
+      U::load(r0, c, t, a[0], a[2], f0, m0);
+      U::load(r1, c, t, a[1], a[3], f1, m1);
+      uint32_t b[NT][2];
+      load_b<NT>(v, c, lane, live, b);
+      int cc[NT][4];
+      mma_chunk<NT>(cc, a, b, live);
+      accumulate_scaled<NT>(acc, cc, v, t, c, live, f0, f1);
+      if constexpr (U::kMins) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          if (j >= live) break;
+          const float2 lo = col_sums(v, j, t, 2 * c), hi = col_sums(v, j, t, 2 * c + 1);
+          const float s_a = lo.x + hi.x, s_b = lo.y + hi.y;
+          acc[j][0] = fmaf(m0, s_a, acc[j][0]);
+          acc[j][1] = fmaf(m0, s_b, acc[j][1]);
+          acc[j][2] = fmaf(m1, s_a, acc[j][2]);
+          acc[j][3] = fmaf(m1, s_b, acc[j][3]);
+        }
+      }
+    }
+  }
+};
+template <int NT> struct MmqStageProduct<GgmlType::Q4_0, NT> : MmqStageProductChunk32<GgmlType::Q4_0, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q4_1, NT> : MmqStageProductChunk32<GgmlType::Q4_1, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q5_0, NT> : MmqStageProductChunk32<GgmlType::Q5_0, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q5_1, NT> : MmqStageProductChunk32<GgmlType::Q5_1, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ4_NL, NT> : MmqStageProductChunk32<GgmlType::IQ4_NL, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q5_K, NT> : MmqStageProductChunk32<GgmlType::Q5_K, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ4_XS, NT> : MmqStageProductChunk32<GgmlType::IQ4_XS, NT> {};
 
 template <int NT>
 struct MmqStageProduct<GgmlType::Q8_0, NT> {
