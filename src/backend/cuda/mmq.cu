@@ -23,6 +23,9 @@ Status launch_mmq(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t
     case GgmlType::IQ4_NL: return launch_mmq_small_blocks(type, a, nt, mode, tasks, stream);
     case GgmlType::Q5_K:
     case GgmlType::IQ4_XS: return launch_mmq_q5_k_iq4_xs(type, a, nt, mode, tasks, stream);
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S: return launch_mmq_iq3_iq1(type, a, nt, mode, tasks, stream);
     default: return Status::error("mmq: weight type " + std::string(ggml_type_name(type)) + " not supported");
   }
 }
@@ -42,6 +45,9 @@ int mmq_alignment(GgmlType type) {
     case GgmlType::IQ4_NL: return MmqType<GgmlType::IQ4_NL>::kAlign;
     case GgmlType::Q5_K: return MmqType<GgmlType::Q5_K>::kAlign;
     case GgmlType::IQ4_XS: return MmqType<GgmlType::IQ4_XS>::kAlign;
+    case GgmlType::IQ3_XXS: return MmqType<GgmlType::IQ3_XXS>::kAlign;
+    case GgmlType::IQ3_S: return MmqType<GgmlType::IQ3_S>::kAlign;
+    case GgmlType::IQ1_S: return MmqType<GgmlType::IQ1_S>::kAlign;
     default: return 16;
   }
 }
@@ -65,6 +71,9 @@ bool mma_matmul_supported(GgmlType type) {
     case GgmlType::IQ4_NL:
     case GgmlType::Q5_K:
     case GgmlType::IQ4_XS:
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S:
       return true;
     default:
       return false;

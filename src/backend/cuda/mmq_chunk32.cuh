@@ -1,12 +1,14 @@
 // The A fragments of the types with one scale (and minimum) per 32 weights, for the generic
 // tensor-core stage product of mmq_kernel.cuh: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (one block per
-// 32-wide chunk) and Q5_K, IQ4_XS (one sub-block of 32 of the stage's super-block per chunk).
+// 32-wide chunk) and Q5_K, IQ4_XS, IQ3_XXS, IQ3_S, IQ1_S (one sub-block of 32 of the stage's
+// super-block per chunk).
 //
-// MmqChunk32<T>::load(row, c, t, lo, hi, scale, min): chunk c of one stage row (shared
+// MmqChunk32<T>::load(row, c, t, tables, lo, hi, scale, min): chunk c of one stage row (shared
 // memory) as lane t of its row sees it: lo = the int8 values of elements 4t..4t+3, hi those of
 // 16+4t..16+4t+3 (quant_units.cuh's byte tricks), and the weight w = scale * q + min of
-// quant_decode.h (min 0 and unread where kMins is false). Included by mmq_kernel.cuh after
-// its shared-memory word loads (ld_a2, ld_a4, half_to_float).
+// quant_decode.h (min 0 and unread where kMins is false). The i-quants read their grids from
+// `tables` (device memory, cuda::detail::iq_tables). Included by mmq_kernel.cuh after its
+// shared-memory word loads (ld_a2, ld_a4, ld_u16, half_to_float).
 #pragma once
 
 #include <cstdint>
@@ -21,8 +23,8 @@ struct MmqChunk32;
 template <>
 struct MmqChunk32<GgmlType::Q4_0> {
   static constexpr bool kMins = false;
-  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, uint32_t& lo, uint32_t& hi,
-                                              float& scale, float& min) {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables&, uint32_t& lo,
+                                              uint32_t& hi, float& scale, float& min) {
     const uint8_t* b = row + 18 * c;
     const uint32_t w = ld_a2(b + 2 + 4 * t);
     lo = __vsub4(w & 0x0F0F0F0Fu, 0x08080808u);
@@ -35,8 +37,8 @@ struct MmqChunk32<GgmlType::Q4_0> {
 template <>
 struct MmqChunk32<GgmlType::Q4_1> {
   static constexpr bool kMins = true;
-  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, uint32_t& lo, uint32_t& hi,
-                                              float& scale, float& min) {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables&, uint32_t& lo,
+                                              uint32_t& hi, float& scale, float& min) {
     const uint8_t* b = row + 20 * c;
     const uint32_t dm = ld_a4(b), w = ld_a4(b + 4 + 4 * t);
     lo = w & 0x0F0F0F0Fu;
@@ -55,8 +57,8 @@ __device__ __forceinline__ void q5_fragment(uint32_t w, uint32_t qh, int t, uint
 template <>
 struct MmqChunk32<GgmlType::Q5_0> {
   static constexpr bool kMins = false;
-  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, uint32_t& lo, uint32_t& hi,
-                                              float& scale, float& min) {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables&, uint32_t& lo,
+                                              uint32_t& hi, float& scale, float& min) {
     const uint8_t* b = row + 22 * c;
     uint32_t l, h;
     q5_fragment(ld_a2(b + 6 + 4 * t), ld_a2(b + 2), t, l, h);
@@ -70,8 +72,8 @@ struct MmqChunk32<GgmlType::Q5_0> {
 template <>
 struct MmqChunk32<GgmlType::Q5_1> {
   static constexpr bool kMins = true;
-  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, uint32_t& lo, uint32_t& hi,
-                                              float& scale, float& min) {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables&, uint32_t& lo,
+                                              uint32_t& hi, float& scale, float& min) {
     const uint8_t* b = row + 24 * c;
     const uint32_t dm = ld_a4(b);
     q5_fragment(ld_a4(b + 8 + 4 * t), ld_a4(b + 4), t, lo, hi);
@@ -83,8 +85,8 @@ struct MmqChunk32<GgmlType::Q5_1> {
 template <>
 struct MmqChunk32<GgmlType::IQ4_NL> {
   static constexpr bool kMins = false;
-  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, uint32_t& lo, uint32_t& hi,
-                                              float& scale, float& min) {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables&, uint32_t& lo,
+                                              uint32_t& hi, float& scale, float& min) {
     const uint8_t* b = row + 18 * c;
     const uint32_t w = ld_a2(b + 2 + 4 * t);
     lo = static_cast<uint32_t>(iq4nl_bytes_to_int8(w & 0x0F0F0F0Fu));
@@ -98,8 +100,8 @@ struct MmqChunk32<GgmlType::IQ4_NL> {
 template <>
 struct MmqChunk32<GgmlType::Q5_K> {
   static constexpr bool kMins = true;
-  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, uint32_t& lo, uint32_t& hi,
-                                              float& scale, float& min) {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables&, uint32_t& lo,
+                                              uint32_t& hi, float& scale, float& min) {
     const uint32_t dd = ld_a4(row);
     const uint32_t w0 = ld_a4(row + 48 + 32 * (c / 2) + 4 * t), w1 = ld_a4(row + 64 + 32 * (c / 2) + 4 * t);
     const uint32_t h0 = ld_a4(row + 16 + 4 * t), h1 = ld_a4(row + 32 + 4 * t);
@@ -117,14 +119,74 @@ struct MmqChunk32<GgmlType::Q5_K> {
 template <>
 struct MmqChunk32<GgmlType::IQ4_XS> {
   static constexpr bool kMins = false;
-  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, uint32_t& lo, uint32_t& hi,
-                                              float& scale, float& min) {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables&, uint32_t& lo,
+                                              uint32_t& hi, float& scale, float& min) {
     const uint32_t head = ld_a4(row), scales_l = ld_a4(row + 4);
     const uint32_t w = ld_a4(row + 8 + 16 * c + 4 * t);
     lo = static_cast<uint32_t>(iq4nl_bytes_to_int8(w & 0x0F0F0F0Fu));
     hi = static_cast<uint32_t>(iq4nl_bytes_to_int8((w >> 4) & 0x0F0F0F0Fu));
     const int ls = static_cast<int>(((scales_l >> (4 * c)) & 0xF) | (((head >> (16 + 2 * c)) & 3) << 4));
     scale = half_to_float(head) * static_cast<float>(ls - 32);
+    min = 0.0f;
+  }
+};
+
+// Sub-block c: grid indices qs[8c..8c+7] (byte 2; one per 4 elements, so lane t's are entries
+// t and 4 + t), then the word at 66 + 4c: four 7-bit sign indices (one per 8) and the scale.
+template <>
+struct MmqChunk32<GgmlType::IQ3_XXS> {
+  static constexpr bool kMins = false;
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables& tab,
+                                              uint32_t& lo, uint32_t& hi, float& scale, float& min) {
+    const uint32_t aux = ld_a2(row + 66 + 4 * c);
+    const uint32_t s0 = ksigns_of((aux >> (7 * (t / 2))) & 127), s1 = ksigns_of((aux >> (7 * (2 + t / 2))) & 127);
+    const int half = 4 * (t % 2);
+    lo = static_cast<uint32_t>(negate_bytes(__ldg(tab.iq3xxs_grid + row[2 + 8 * c + t]), (s0 >> half) & 0xF));
+    hi = static_cast<uint32_t>(negate_bytes(__ldg(tab.iq3xxs_grid + row[6 + 8 * c + t]), (s1 >> half) & 0xF));
+    scale = half_to_float(ld_u16(row)) * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
+    min = 0.0f;
+  }
+};
+
+// Sub-block c: entries 8c + e (4 elements each; lane t's are e = t and 4 + t): 9-bit index
+// (qs at byte 2, qh[c] at byte 66), sign nibbles of signs[4c + e / 2] (byte 74), scale d * (1 + 2s)
+// with s in nibble c % 2 of scales[c / 2] (byte 106).
+template <>
+struct MmqChunk32<GgmlType::IQ3_S> {
+  static constexpr bool kMins = false;
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables& tab,
+                                              uint32_t& lo, uint32_t& hi, float& scale, float& min) {
+    const uint32_t qh = row[66 + c];
+    auto entry = [&](int e) {
+      const uint32_t index = row[2 + 8 * c + e] | (((qh >> e) & 1) << 8);
+      const uint32_t signs = (row[74 + 4 * c + e / 2] >> (4 * (e % 2))) & 0xF;
+      return static_cast<uint32_t>(negate_bytes(__ldg(tab.iq3s_grid + index), signs));
+    };
+    lo = entry(t);
+    hi = entry(4 + t);
+    const uint32_t s = (row[106 + c / 2] >> (4 * (c % 2))) & 0xF;
+    scale = half_to_float(ld_u16(row)) * static_cast<float>(1 + 2 * s);
+    min = 0.0f;
+  }
+};
+
+// Sub-block c: the u16 qh[c] (byte 34) holds the high index bits of its four groups of 8, the
+// scale and the shift sign; grid index bytes qs[4c + l] (byte 2). Lane t's elements are half
+// t % 2 of groups t / 2 and 2 + t / 2. Levels 8g +- 1 with scale dl / 8.
+template <>
+struct MmqChunk32<GgmlType::IQ1_S> {
+  static constexpr bool kMins = false;
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables& tab,
+                                              uint32_t& lo, uint32_t& hi, float& scale, float& min) {
+    const uint32_t w = ld_u16(row + 34 + 2 * c);
+    const int shift = (w & 0x8000u) ? -1 : 1;
+    auto group = [&](int l) {
+      const uint64_t g = __ldg(tab.iq1s_grid + (row[2 + 4 * c + l] | (((w >> (3 * l)) & 7) << 8)));
+      return static_cast<uint32_t>(iq1_bytes_to_levels(static_cast<uint32_t>(g >> (32 * (t % 2))), shift));
+    };
+    lo = group(t / 2);
+    hi = group(2 + t / 2);
+    scale = half_to_float(ld_u16(row)) * static_cast<float>(2 * ((w >> 12) & 7) + 1) * 0.125f;
     min = 0.0f;
   }
 };

@@ -31,7 +31,8 @@
 //                in with 16-bit-lane multiplies; -d per super-block.
 //   Q6_K         two k16 MMAs per chunk on A = q - 32, the int8 scales of each 16 applied to
 //                their products in f32; d per super-block.
-//   Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q5_K, IQ4_XS  A = the int8 levels, scale per 32 and row on
+//   Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q5_K, IQ4_XS, IQ3_XXS, IQ3_S, IQ1_S
+//                A = the int8 levels (IQ1_S: 8g +- 1), scale per 32 and row on
 //                the product, the minimum (Q4_1, Q5_1, Q5_K) times the 32 values' sum
 //                (mmq_chunk32.cuh).
 #pragma once
@@ -88,6 +89,7 @@ struct MmqArgs {
   const float* pair_weight = nullptr;
   float limit = 0.0f;
   float* out = nullptr;              // [output rows][n]
+  quant::IqTables iq{};              // IQ3_XXS, IQ3_S, IQ1_S: set by launch_mmq_type
 };
 
 // ---- per-type geometry ------------------------------------------------------------------
@@ -121,6 +123,9 @@ template <> struct MmqType<GgmlType::Q5_1> : MmqGeometry<32, 24, 4, true> {};
 template <> struct MmqType<GgmlType::IQ4_NL> : MmqGeometry<32, 18, 2, false> {};
 template <> struct MmqType<GgmlType::Q5_K> : MmqGeometry<256, 176, 4, true> {};
 template <> struct MmqType<GgmlType::IQ4_XS> : MmqGeometry<256, 136, 4, false> {};
+template <> struct MmqType<GgmlType::IQ3_XXS> : MmqGeometry<256, 98, 2, false> {};
+template <> struct MmqType<GgmlType::IQ3_S> : MmqGeometry<256, 110, 2, false> {};
+template <> struct MmqType<GgmlType::IQ1_S> : MmqGeometry<256, 50, 2, false> {};
 
 // Shared memory of one stage and the ring depth for NT column tiles.
 template <GgmlType T, int NT>
@@ -204,6 +209,7 @@ struct MmqStageView {
   const uint8_t* x;   // [cols][kMmqXStride] int8
   const float* d;     // [cols][8]
   const float* s16;   // [cols][16]
+  quant::IqTables iq;  // the i-quants' codebooks (MmqArgs::iq)
 };
 
 // B fragments of chunk c for column tiles j (and j + 1 with x4): lane i addresses row i % 8 of
@@ -306,8 +312,8 @@ struct MmqStageProductChunk32 {
       if (c >= chunks) break;
       uint32_t a[4];
       float f0, f1, m0, m1;
-      U::load(r0, c, t, a[0], a[2], f0, m0);
-      U::load(r1, c, t, a[1], a[3], f1, m1);
+      U::load(r0, c, t, v.iq, a[0], a[2], f0, m0);
+      U::load(r1, c, t, v.iq, a[1], a[3], f1, m1);
       uint32_t b[NT][2];
       load_b<NT>(v, c, lane, live, b);
       int cc[NT][4];
@@ -335,6 +341,9 @@ template <int NT> struct MmqStageProduct<GgmlType::Q5_1, NT> : MmqStageProductCh
 template <int NT> struct MmqStageProduct<GgmlType::IQ4_NL, NT> : MmqStageProductChunk32<GgmlType::IQ4_NL, NT> {};
 template <int NT> struct MmqStageProduct<GgmlType::Q5_K, NT> : MmqStageProductChunk32<GgmlType::Q5_K, NT> {};
 template <int NT> struct MmqStageProduct<GgmlType::IQ4_XS, NT> : MmqStageProductChunk32<GgmlType::IQ4_XS, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ3_XXS, NT> : MmqStageProductChunk32<GgmlType::IQ3_XXS, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ3_S, NT> : MmqStageProductChunk32<GgmlType::IQ3_S, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ1_S, NT> : MmqStageProductChunk32<GgmlType::IQ1_S, NT> {};
 
 template <int NT>
 struct MmqStageProduct<GgmlType::Q8_0, NT> {
@@ -816,7 +825,7 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(const MmqArgs a) {
     const uint8_t* r0 = stage + row_g * C::kSlotBytes + skew0;
     const uint8_t* r1 = stage + (row_g + 8) * C::kSlotBytes + skew1;
     const MmqStageView view{stage + S::kW, reinterpret_cast<const float*>(stage + S::kW + S::kX),
-                            reinterpret_cast<const float*>(stage + S::kW + S::kX + S::kD)};
+                            reinterpret_cast<const float*>(stage + S::kW + S::kX + S::kD), a.iq};
     const int chunks = static_cast<int>(min(static_cast<int64_t>(kMmqStageK), a.k - int64_t{kMmqStageK} * stage_index) / 32);
     MmqStageProduct<T, NT>::run(r0, r1, chunks, view, lane, live, acc);
   }
