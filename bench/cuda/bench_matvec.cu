@@ -134,9 +134,10 @@ int main() {
           set_kernel_choice(KernelChoice{});
         }
       }
-  // The same on 8192->4096 for the further tensor-core types (mmq_chunk32.cuh).
+  // The same on 8192->4096 for the further tensor-core types (mmq_chunk32.cuh): all added types.
   for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL,
-                        GgmlType::Q5_K, GgmlType::IQ4_XS, GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ1_S})
+                        GgmlType::Q5_K, GgmlType::IQ4_XS, GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ1_S,
+                        GgmlType::IQ2_XS, GgmlType::IQ2_S, GgmlType::IQ1_M})
     for (int rows : {2, 4, 8, 16, 32, 64}) {
       run(type, shapes[4], rows, bw, stream, false, "mma", true);
       if (rows <= 16) {

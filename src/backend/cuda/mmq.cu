@@ -26,6 +26,9 @@ Status launch_mmq(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t
     case GgmlType::IQ3_XXS:
     case GgmlType::IQ3_S:
     case GgmlType::IQ1_S: return launch_mmq_iq3_iq1(type, a, nt, mode, tasks, stream);
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ1_M: return launch_mmq_iq2_iq1_m(type, a, nt, mode, tasks, stream);
     default: return Status::error("mmq: weight type " + std::string(ggml_type_name(type)) + " not supported");
   }
 }
@@ -48,6 +51,9 @@ int mmq_alignment(GgmlType type) {
     case GgmlType::IQ3_XXS: return MmqType<GgmlType::IQ3_XXS>::kAlign;
     case GgmlType::IQ3_S: return MmqType<GgmlType::IQ3_S>::kAlign;
     case GgmlType::IQ1_S: return MmqType<GgmlType::IQ1_S>::kAlign;
+    case GgmlType::IQ2_XS: return MmqType<GgmlType::IQ2_XS>::kAlign;
+    case GgmlType::IQ2_S: return MmqType<GgmlType::IQ2_S>::kAlign;
+    case GgmlType::IQ1_M: return MmqType<GgmlType::IQ1_M>::kAlign;
     default: return 16;
   }
 }
@@ -74,6 +80,9 @@ bool mma_matmul_supported(GgmlType type) {
     case GgmlType::IQ3_XXS:
     case GgmlType::IQ3_S:
     case GgmlType::IQ1_S:
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ1_M:
       return true;
     default:
       return false;

@@ -7,7 +7,8 @@
 // memory) as lane t of its row sees it: lo = the int8 values of elements 4t..4t+3, hi those of
 // 16+4t..16+4t+3 (quant_units.cuh's byte tricks), and the weight w = scale * q + min of
 // quant_decode.h (min 0 and unread where kMins is false). The i-quants read their grids from
-// `tables` (device memory, cuda::detail::iq_tables). Included by mmq_kernel.cuh after its
+// `tables` (device memory, cuda::detail::iq_tables). MmqChunk16 below: the types with a scale
+// per 16 (IQ2_XS, IQ2_S, IQ1_M). Included by mmq_kernel.cuh after its
 // shared-memory word loads (ld_a2, ld_a4, ld_u16, half_to_float).
 #pragma once
 
@@ -188,6 +189,84 @@ struct MmqChunk32<GgmlType::IQ1_S> {
     hi = group(2 + t / 2);
     scale = half_to_float(ld_u16(row)) * static_cast<float>(2 * ((w >> 12) & 7) + 1) * 0.125f;
     min = 0.0f;
+  }
+};
+
+// ---- a scale per 16: IQ2_XS, IQ2_S, IQ1_M ------------------------------------------------------
+// MmqChunk16<T>::load(row, c, t, tables, lo, hi, scale_lo, scale_hi): as MmqChunk32 with the
+// scales of elements 0..15 (lo) and 16..31 (hi) of chunk c apart; two k16 MMAs per chunk.
+
+template <GgmlType T>
+struct MmqChunk16;
+
+// The IQ2 scale d * (0.5 + s) * 0.25 of both nibbles of scale byte `sc`.
+__device__ __forceinline__ void iq2_chunk_scales(float d, uint32_t sc, float& lo, float& hi) {
+  lo = d * (0.5f + static_cast<float>(sc & 0xF)) * 0.25f;
+  hi = d * (0.5f + static_cast<float>(sc >> 4)) * 0.25f;
+}
+
+// Group 4c + l of 8: the u16 qs (byte 2): 9-bit grid index, 7-bit sign index; scales[c] at 66.
+template <>
+struct MmqChunk16<GgmlType::IQ2_XS> {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables& tab,
+                                              uint32_t& lo, uint32_t& hi, float& scale_lo, float& scale_hi) {
+    const int half = t % 2;
+    auto group = [&](int l) {
+      const uint32_t v = ld_u16(row + 2 + 2 * (4 * c + l));
+      const uint64_t g = __ldg(tab.iq2xs_grid + (v & 511));
+      return static_cast<uint32_t>(
+          negate_bytes(static_cast<uint32_t>(g >> (32 * half)), (ksigns_of(v >> 9) >> (4 * half)) & 0xF));
+    };
+    lo = group(t / 2);
+    hi = group(2 + t / 2);
+    iq2_chunk_scales(half_to_float(ld_u16(row)), row[66 + c], scale_lo, scale_hi);
+  }
+};
+
+// Group g = 4c + l: index qs[g] | bits 2l of qh[c] (bytes 2, 66), sign byte qs[32 + g] (34),
+// scales[c] at 74.
+template <>
+struct MmqChunk16<GgmlType::IQ2_S> {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables& tab,
+                                              uint32_t& lo, uint32_t& hi, float& scale_lo, float& scale_hi) {
+    const int half = t % 2;
+    const uint32_t qh = row[66 + c];
+    auto group = [&](int l) {
+      const int g = 4 * c + l;
+      const uint32_t index = row[2 + g] | (((qh >> (2 * l)) & 3) << 8);
+      const uint64_t grid = __ldg(tab.iq2s_grid + index);
+      return static_cast<uint32_t>(
+          negate_bytes(static_cast<uint32_t>(grid >> (32 * half)), (row[34 + g] >> (4 * half)) & 0xF));
+    };
+    lo = group(t / 2);
+    hi = group(2 + t / 2);
+    iq2_chunk_scales(half_to_float(ld_u16(row)), row[74 + c], scale_lo, scale_hi);
+  }
+};
+
+// Group k = 4c + l: index qs[k] (byte 0) with the low 3 bits of nibble k % 2 of qh[k / 2]
+// (byte 32), bit 3 the shift sign; 3-bit scales of 16 in the u16 words of `scales` (byte 48),
+// whose top nibbles hold the fp16 block scale.
+template <>
+struct MmqChunk16<GgmlType::IQ1_M> {
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, int t, const quant::IqTables& tab,
+                                              uint32_t& lo, uint32_t& hi, float& scale_lo, float& scale_hi) {
+    const int half = t % 2;
+    auto group = [&](int l) {
+      const int k = 4 * c + l;
+      const uint32_t nib = (row[32 + k / 2] >> (4 * (k % 2))) & 0xF;
+      const uint64_t g = __ldg(tab.iq1s_grid + (row[k] | ((nib & 7) << 8)));
+      return static_cast<uint32_t>(iq1_bytes_to_levels(static_cast<uint32_t>(g >> (32 * half)), (nib & 8) ? -1 : 1));
+    };
+    lo = group(t / 2);
+    hi = group(2 + t / 2);
+    const uint32_t s01 = ld_a4(row + 48), s23 = ld_a4(row + 52);
+    const uint32_t sw[4] = {s01 & 0xFFFFu, s01 >> 16, s23 & 0xFFFFu, s23 >> 16};
+    const uint32_t bits = (sw[0] >> 12) | ((sw[1] >> 8) & 0x00F0u) | ((sw[2] >> 4) & 0x0F00u) | (sw[3] & 0xF000u);
+    const float d = half_to_float(bits);
+    const uint32_t word = sw[c / 2];
+    scale_lo = d * static_cast<float>(2 * ((word >> (3 * ((2 * c) % 4))) & 7) + 1) * 0.125f;
+    scale_hi = d * static_cast<float>(2 * ((word >> (3 * ((2 * c + 1) % 4))) & 7) + 1) * 0.125f;
   }
 };
 

@@ -1,6 +1,6 @@
 // The tensor-core product kernels (mmq_kernel.cuh) for IQ3_XXS, IQ3_S and IQ1_S (one scale per
 // 32 weights; grids from iq2_tables.cu), in their own translation unit so the types compile in
-// parallel.
+// parallel (IQ2_XS, IQ2_S, IQ1_M: mmq_iq2_iq1_m.cu).
 #include "backend/cuda/mmq_launch.cuh"
 
 namespace dsv4::cuda::detail {

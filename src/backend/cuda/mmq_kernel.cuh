@@ -35,6 +35,8 @@
 //                A = the int8 levels (IQ1_S: 8g +- 1), scale per 32 and row on
 //                the product, the minimum (Q4_1, Q5_1, Q5_K) times the 32 values' sum
 //                (mmq_chunk32.cuh).
+//   IQ2_XS, IQ2_S, IQ1_M  two k16 MMAs per chunk on the int8 levels, the scales of each 16
+//                (with the row's d folded in) applied to their products in f32.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -126,6 +128,9 @@ template <> struct MmqType<GgmlType::IQ4_XS> : MmqGeometry<256, 136, 4, false> {
 template <> struct MmqType<GgmlType::IQ3_XXS> : MmqGeometry<256, 98, 2, false> {};
 template <> struct MmqType<GgmlType::IQ3_S> : MmqGeometry<256, 110, 2, false> {};
 template <> struct MmqType<GgmlType::IQ1_S> : MmqGeometry<256, 50, 2, false> {};
+template <> struct MmqType<GgmlType::IQ2_XS> : MmqGeometry<256, 74, 2, false> {};
+template <> struct MmqType<GgmlType::IQ2_S> : MmqGeometry<256, 82, 2, false> {};
+template <> struct MmqType<GgmlType::IQ1_M> : MmqGeometry<256, 56, 4, false> {};
 
 // Shared memory of one stage and the ring depth for NT column tiles.
 template <GgmlType T, int NT>
@@ -334,6 +339,40 @@ struct MmqStageProductChunk32 {
     }
   }
 };
+// The types of MmqChunk16: per chunk two k16 MMAs (elements 0..15 and 16..31), each product
+// scaled by its own 16's scale.
+template <GgmlType T, int NT>
+struct MmqStageProductChunk16 {
+  __device__ __forceinline__ static void run(const uint8_t* r0, const uint8_t* r1, int chunks, const MmqStageView& v,
+                                             int lane, int live, float (&acc)[NT][4]) {
+    using U = MmqChunk16<T>;
+    const int t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < kMmqStageChunks; ++c) {
+      if (c >= chunks) break;
+      uint32_t lo0, hi0, lo1, hi1;
+      float sl0, sh0, sl1, sh1;
+      U::load(r0, c, t, v.iq, lo0, hi0, sl0, sh0);
+      U::load(r1, c, t, v.iq, lo1, hi1, sl1, sh1);
+      uint32_t b[NT][2];
+      load_b<NT>(v, c, lane, live, b);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (j >= live) break;
+        int lo[4] = {kMmqBiasBits, kMmqBiasBits, kMmqBiasBits, kMmqBiasBits};
+        int hi[4] = {kMmqBiasBits, kMmqBiasBits, kMmqBiasBits, kMmqBiasBits};
+        mma_k16(lo, lo0, lo1, b[j][0]);
+        mma_k16(hi, hi0, hi1, b[j][1]);
+        const float2 dx = col_scales(v, j, t, c);
+        acc[j][0] = fmaf(fmaf(sl0, mmq_value(lo[0]), sh0 * mmq_value(hi[0])), dx.x, acc[j][0]);
+        acc[j][1] = fmaf(fmaf(sl0, mmq_value(lo[1]), sh0 * mmq_value(hi[1])), dx.y, acc[j][1]);
+        acc[j][2] = fmaf(fmaf(sl1, mmq_value(lo[2]), sh1 * mmq_value(hi[2])), dx.x, acc[j][2]);
+        acc[j][3] = fmaf(fmaf(sl1, mmq_value(lo[3]), sh1 * mmq_value(hi[3])), dx.y, acc[j][3]);
+      }
+    }
+  }
+};
+
 template <int NT> struct MmqStageProduct<GgmlType::Q4_0, NT> : MmqStageProductChunk32<GgmlType::Q4_0, NT> {};
 template <int NT> struct MmqStageProduct<GgmlType::Q4_1, NT> : MmqStageProductChunk32<GgmlType::Q4_1, NT> {};
 template <int NT> struct MmqStageProduct<GgmlType::Q5_0, NT> : MmqStageProductChunk32<GgmlType::Q5_0, NT> {};
@@ -344,6 +383,9 @@ template <int NT> struct MmqStageProduct<GgmlType::IQ4_XS, NT> : MmqStageProduct
 template <int NT> struct MmqStageProduct<GgmlType::IQ3_XXS, NT> : MmqStageProductChunk32<GgmlType::IQ3_XXS, NT> {};
 template <int NT> struct MmqStageProduct<GgmlType::IQ3_S, NT> : MmqStageProductChunk32<GgmlType::IQ3_S, NT> {};
 template <int NT> struct MmqStageProduct<GgmlType::IQ1_S, NT> : MmqStageProductChunk32<GgmlType::IQ1_S, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ2_XS, NT> : MmqStageProductChunk16<GgmlType::IQ2_XS, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ2_S, NT> : MmqStageProductChunk16<GgmlType::IQ2_S, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ1_M, NT> : MmqStageProductChunk16<GgmlType::IQ1_M, NT> {};
 
 template <int NT>
 struct MmqStageProduct<GgmlType::Q8_0, NT> {
