@@ -36,6 +36,7 @@
 
 namespace dsv4::cuda::detail {
 Status iq2_tables(const uint64_t** grid, const uint8_t** signs);  // iq2_tables.cu
+Status iq_tables(quant::IqTables* out);                            // iq2_tables.cu
 }  // namespace dsv4::cuda::detail
 
 namespace dsv4::backend {
@@ -556,6 +557,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   *m.host_errors = 0;
   for (cudaEvent_t& e : m.half_done) DSV4_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DSV4_TRY(cuda::detail::iq2_tables(&m.iq2_grid, &m.iq2_signs));
+  DSV4_TRY(cuda::detail::iq_tables(&m.iq_tables));
   DSV4_TRY(cuda::prepare_matvec_tables());
   DSV4_TRY(cuda::prepare_attention_kernels());  // no function attributes set inside a graph capture
   const char* env = std::getenv("DSV4_POISON_SCRATCH");
@@ -806,7 +808,7 @@ Status exact_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<floa
   ew.n = w.n;
   ew.k = w.k;
   ew.row_bytes = w.row_bytes;
-  ew.tables = {m.iq2_grid, m.iq2_signs};
+  ew.tables = {m.iq2_grid, m.iq2_signs, m.iq_tables};
   return cuda::exact_matmul(ew, x.p, x.ld, x.rows, y.p, y.ld, m.stream);
 }
 
@@ -917,7 +919,7 @@ Status CudaBackend::get_rows(const Tensor& table, const Tensor& ids, const Tenso
   if (n == 0) return Status::ok();
   const int64_t row_bytes = table.rank >= 2 ? table.row_stride() : static_cast<int64_t>(tensor_bytes(table));
   Impl& m = *impl_;
-  const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs};
+  const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs, m.iq_tables};
   const auto* data = static_cast<const uint8_t*>(table.data);
   const auto* id = static_cast<const int32_t*>(ids.data);
   const unsigned grid = cudaops::grid_for(n * yv.cols);
