@@ -230,8 +230,8 @@ Status check(const ExactWeights& w, const char* op) {
   if (reinterpret_cast<uintptr_t>(w.data) % align != 0 || w.row_bytes % align != 0 || w.matrix_bytes % align != 0)
     return Status::error(std::string(op) + ": " + std::string(t.name) + " rows must be " + std::to_string(align) +
                          "-byte aligned");
-  if (w.type == GgmlType::IQ2_XXS && (w.tables.grid == nullptr || w.tables.signs == nullptr))
-    return Status::error(std::string(op) + ": iq2_xxs without its tables");
+  if (!exact::tables_ready(w.type, w.tables))
+    return Status::error(std::string(op) + ": " + std::string(t.name) + " without its device codebooks");
   return Status::ok();
 }
 
