@@ -7,7 +7,7 @@
 #   scripts/gpu.sh prepare   here (the project's build dependencies, no GPU needed): builds
 #                            build-cuda for sm_90a (test_cuda, the cuda_bench_* programs,
 #                            dsv4) and packs them with the shared libraries the GPU machine
-#                            lacks into build-gpu-bin/stage.tar.gz; downloads the llama-cpp-python 0.3.36
+#                            lacks into build-gpu-bin/stage.tar.xz; downloads the llama-cpp-python 0.3.36
 #                            sdist (its vendor/llama.cpp, the peer) and packs its source,
 #                            without docs and models, in build-gpu-llama/ (never committed).
 #                            Prints the sizes: the device tool carries at most 64 MiB.
@@ -26,6 +26,8 @@
 #   flash      dsv4 synth --fill random-blocks of the whole V4-Flash geometry (43 layers, q2k
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
+#   spec       dsv4 bench --parts spec on the same file (it has its MTP block): MTP speculation's
+#              verify, draft and rollback costs at batch 1 and 16 (issue 15)
 #   serve      dsv4 serve --backend cuda on the same file, 1/16/64 streaming clients
 #              (bench/bench_serve_load.py: time to first token, per output token, tok/s)
 #   profile    ncu's per-kernel GPU time of batch-1 decode steps (no graphs) on a 2-layer cut of
@@ -94,7 +96,7 @@ stage_upstream() {
   src="$cache/llama_cpp_python-$llama_version/vendor/llama.cpp"
   lbuild="$(bash tests/llamacpp/build.sh | tail -1)" || return 1
   tar -czf "$llama_stage/upstream.tar.gz" -C "$src" convert_hf_to_gguf.py conversion gguf-py \
-    -C "$lbuild" llama_logits bin/llama-quantize || return 1
+    -C "$lbuild" llama_logits llama_quant || return 1
 }
 
 if [ "$mode" = prepare ]; then
@@ -105,7 +107,12 @@ if [ "$mode" = prepare ]; then
   # device tool carries 64 MiB.
   files="$(mktemp -d)"
   mkdir -p "$files/lib" "$files/compat"
-  cp "$dir"/tests/test_cuda "$dir"/bench/cuda_bench_* "$dir"/dsv4 "$files/"
+  # DSV4_GPU_STAGE_BENCHES: the kernel benchmarks to stage (default all; each binary carries
+  # every kernel's device code, ~60 MB, so a carry near the limit stages fewer).
+  for b in ${DSV4_GPU_STAGE_BENCHES:-$(cd "$dir/bench" && ls cuda_bench_* | sed 's/^cuda_bench_//')}; do
+    cp "$dir/bench/cuda_bench_$b" "$files/"
+  done
+  cp "$dir"/tests/test_cuda "$dir"/dsv4 "$files/"
   strip --strip-unneeded "$files"/test_cuda "$files"/cuda_bench_* "$files"/dsv4 2>/dev/null || true
   # Libraries outside the C runtime and the CUDA toolkit's large ones (cuBLAS comes from the
   # GPU machine's toolkit); libstdc++ separately, used only if the GPU machine's is older.
@@ -119,7 +126,8 @@ if [ "$mode" = prepare ]; then
     esac
   done
   rm -rf "$stage" && mkdir -p "$stage"
-  tar -czf "$stage/stage.tar.gz" -C "$files" .
+  # xz: device code compresses about 6x (gzip: 4x), and the device tool carries 64 MiB.
+  XZ_OPT="-6 -T${DSV4_JOBS:-2}" tar -cJf "$stage/stage.tar.xz" -C "$files" .
   (cd "$files" && ls -l . lib compat) >"$stage/contents.txt"
   rm -rf "$files"
   stage_llama
@@ -136,7 +144,7 @@ fi
 out="${OUT:-$PWD/gpu-out}"
 work="${DSV4_GPU_WORK:-/tmp/dsv4-gpu}"
 shm="${DSV4_GPU_SHM:-/dev/shm}"
-steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash serve profile upstream kernels} "
+steps=" ${DSV4_GPU_STEPS:-${DSV4_GPU_CHECKS-tests memcheck racecheck} llama flash spec serve profile upstream kernels} "
 budget="${DSV4_GPU_BUDGET:-550}"
 cut_layers="${DSV4_GPU_CUT_LAYERS:-4}"
 mkdir -p "$out" "$work"
@@ -210,8 +218,8 @@ if [ -z "$bin" ] && [ "${DSV4_GPU_BUILD:-auto}" != 0 ] && [ -e /usr/include/fmt/
   fi
 fi
 if [ -z "$bin" ]; then
-  [ -f "$stage/stage.tar.gz" ] || { echo "no build dependencies here and no $stage/stage.tar.gz (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
-  rm -rf "$work/stage" && mkdir -p "$work/stage" && tar -xzf "$stage/stage.tar.gz" -C "$work/stage" || exit 1
+  [ -f "$stage/stage.tar.xz" ] || { echo "no build dependencies here and no $stage/stage.tar.xz (run 'scripts/gpu.sh prepare' where they exist)"; exit 1; }
+  rm -rf "$work/stage" && mkdir -p "$work/stage" && tar -xJf "$stage/stage.tar.xz" -C "$work/stage" || exit 1
   echo "== using the sm_90a binaries staged in $stage/"
   bin="$work/stage"
   libs="$bin/lib"
@@ -341,8 +349,9 @@ stop_llama_build
 reserve=0
 
 # ---- dsv4 on the whole V4-Flash geometry -------------------------------------------------
-if has flash || has serve; then
-  flash_flags=(--preset flash --no-mtp --recipe q2k --fill random-blocks --seed 1)
+if has flash || has serve || has spec; then
+  # With its MTP block, for the speculation figures (issue 15); the peer's cut above has none.
+  flash_flags=(--preset flash --recipe q2k --fill random-blocks --seed 1)
   layers=$(shm_layers "${DSV4_GPU_FLASH_LAYERS:-43}" "${flash_flags[@]}")
   flash="$shm/dsv4-flash$layers.gguf"
   step synth_flash 120 "$bin/dsv4" synth "${flash_flags[@]}" --layers "$layers" --force -o "$flash"
@@ -352,6 +361,12 @@ if has flash || has serve; then
       --depths 4096,32768,131072 --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
       --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
+  fi
+  # MTP speculation's parts at 43 layers: plain step, verify k = 1..4, draft, rollback copies.
+  if has spec && [ -f "$flash" ]; then
+    step dsv4_spec 150 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" --parts spec \
+      --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"
+    grep -a '^TABLE|' "$work/dsv4_spec.log" | cut -d'|' -f3-6
   fi
   # The server on the same file: 1, 16 and 64 streaming clients (bench/bench_serve_load.py).
   if has serve && [ -f "$flash" ]; then
@@ -367,13 +382,25 @@ fi
 if has profile && command -v ncu >/dev/null; then
   prof_layers="${DSV4_GPU_PROFILE_LAYERS:-2}"
   prof="$shm/dsv4-flash-profile$prof_layers.gguf"
+  : >"$work/profile.txt"
   step synth_profile 60 "$bin/dsv4" synth --preset flash --layers "$prof_layers" --no-mtp --recipe q2k \
     --fill random-blocks --seed 1 --force -o "$prof"
   # 1 warm-up + 4 timed steps without graphs: each kernel of a step shows up 5 times.
   step profile 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts decode --depths 4096 \
     --steps 4 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
-  python3 - "$work/ncu.csv" >"$work/profile.txt" <<'PY'
+  # Prefill: one untimed and one timed chunk of 4096 tokens.
+  step profile_prefill 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --log-file "$work/ncu_prefill.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts prefill \
+    --prefill 4096 --chunk 4096 --prefill-repeats 1 --label "profile$prof_layers"
+  # Batched decode: 16 sequences, 1 warm-up + 2 timed steps.
+  step profile_batch 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --log-file "$work/ncu_batch.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts aggregate \
+    --batches 16 --batch-depth 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
+  for what in decode prefill batch; do
+    csv="$work/ncu_$what.csv"; [ $what = decode ] && csv="$work/ncu.csv"
+    [ -f "$csv" ] || continue
+    python3 - "$csv" "$what" >>"$work/profile.txt" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 head, rows = rows[0], rows[1:]
@@ -383,11 +410,15 @@ for r in rows:
     k = r[name].split("(")[0][:90]
     total[k] += float(r[value].replace(",", "")) / 1e3
     count[k] += 1
-print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel (all launches of the run: load, fill, 5 decode steps)")
+what = {"decode": "5 decode steps", "prefill": "2 prefill chunks of 4096 tokens",
+        "batch": "3 decode steps of 16 sequences"}[sys.argv[2]]
+print(f"== {sys.argv[2]}: all launches of the run (load, fill, {what})")
+print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel")
 for k, t in total.most_common(40):
     print(f"{t:10.1f} {count[k]:8d} {t / count[k]:9.1f}  {k}")
 print(f"{sum(total.values()):10.1f} {sum(count.values()):8d}            all")
 PY
+  done
   head -25 "$work/profile.txt"
   rm -f "$prof"
   refresh_out
@@ -399,7 +430,7 @@ if has upstream; then
     rm -rf "$work/upstream" && mkdir -p "$work/upstream/src" &&
       tar -xzf "$llama_stage/upstream.tar.gz" -C "$work/upstream/src"
     step upstream 150 env DSV4_CLI="$bin/dsv4" LLAMA_LOGITS="$work/upstream/src/llama_logits" \
-      LLAMA_QUANTIZE="$work/upstream/src/bin/llama-quantize" \
+      LLAMA_QUANTIZE="$work/upstream/src/llama_quant" \
       LLAMA_CPP_SOURCE="$work/upstream/src" bash tests/llamacpp/upstream_convert.sh "$work/upstream/out"
     tail -6 "$work/upstream.log"
   else

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's second command: installs what is missing, builds, and runs every test:
-# the release build (GCC; CUDA code compiled, not run: no GPU here) and its tests, then the
-# sanitizer build (clang, AddressSanitizer + UBSan, with the libFuzzer targets), the fuzzers,
-# and the whole suite again under the sanitizers.
+# the release build (GCC; CUDA code compiled, not run: no GPU here), its tests and the
+# interoperability tests against llama.cpp (built from its source), then the sanitizer build
+# (clang, AddressSanitizer + UBSan, with the libFuzzer targets), the fuzzers, and the whole
+# suite again under the sanitizers. Stages and their measured times: docs/TESTING.md.
 #
 # Deterministic: the same commit does the same work and gives the same result. Tests draw
 # their random data from a fixed seed; the committed fuzz corpus and past findings
@@ -18,12 +19,13 @@ stages=" ${*:-release fuzz asan} "
 want() { [[ "$stages" == *" $1 "* ]]; }
 export DSV4_TEST_SEED="${DSV4_TEST_SEED:-20260601}"
 fuzz_seed="${DSV4_FUZZ_SEED:-1}"
-# Runs per target: about 45 s of one core each on the CI machine (they run side by side).
+# Runs per target: about 22 s of one core each on the CI machine (they run side by side);
+# halved from ~45 s to make room for the llama.cpp interoperability tests (docs/TESTING.md).
 fuzz_dir=build-asan/fuzzing
 # (server_request parses, renders and tokenizes whole chat requests: ~500 runs/s, where the
 # default of 200,000 took 7 minutes.)
-declare -A fuzz_runs=([gguf]=400000 [safetensors]=1000000 [tokenizer]=250000 [chat]=600000 [output_parser]=400000
-                      [server_request]=25000)
+declare -A fuzz_runs=([gguf]=200000 [safetensors]=500000 [tokenizer]=125000 [chat]=300000 [output_parser]=200000
+                      [server_request]=12500)
 
 # One fuzzer, fixed seed and run count: its log in build-asan/fuzzing/<name>.log, its exit
 # status in build-asan/fuzzing/<name>.status. Seeds are listed in name order (-seed_inputs), not read from
@@ -50,6 +52,19 @@ if want release; then
   ./scripts/build.sh release
   echo "== tests (release)"
   (cd build && ctest --output-on-failure -j "$(nproc)")
+  # Issue 12's checks 1 and 2 against llama.cpp itself (docs/TESTING.md): builds libllama from
+  # the llama-cpp-python sdist (cached in ~/.cache/dsv4, so only CI's clean machine pays the
+  # build), then llama.cpp on dsv4's files and dsv4 on llama.cpp's quantised ones (every
+  # published type), with build/dsv4.
+  echo "== llama.cpp interoperability (tests/llamacpp: llama.cpp of llama-cpp-python 0.3.36)"
+  log=build/llamacpp_interop.log
+  if ./tests/llamacpp/run.sh build/dsv4 >"$log" 2>&1; then
+    tail -1 "$log"
+  else
+    grep -E "^(FAIL|llama.cpp interop:)" "$log" || tail -60 "$log"
+    echo "llama.cpp interoperability failed: the whole log is $log (reproduce: tests/llamacpp/run.sh build/dsv4)"
+    exit 1
+  fi
 fi
 
 if want fuzz; then

@@ -71,10 +71,12 @@ int main(int argc, char** argv) {
   llama_backend_init();
   llama_model_params mp = llama_model_default_params();
   mp.n_gpu_layers = 0;
-  // No CPU weight repacking (ggml's "extra buffer types"): a repacked Q8_0 matrix supports
-  // only mul_mat, and upstream's deepseek4 graph uses the Q8_0 attention weights its own
-  // converter writes in other ops too, which then have no backend at all
-  // (GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched). Plain buffers run every op.
+  // No CPU weight repacking (ggml's "extra buffer types", llama.cpp's --no-repack; build.sh
+  // builds without it): a repacked matrix supports only some products, and upstream's
+  // deepseek4 graph uses such weights elsewhere too, which then have no backend at all
+  // (GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched): the Q8_0 attention weights
+  // of upstream's converter, and the grouped attn_output_a (a 3-d view multiplied by permuted
+  // activations) in Q6_K. Plain buffers run every op.
   mp.use_extra_bufts = false;
   mp.load_mtp = load_only;
   llama_model* model = llama_model_load_from_file(model_path.c_str(), mp);

@@ -6,7 +6,8 @@
 # must load both and its logits must agree with llama.cpp's on them.
 #   tests/llamacpp/upstream_convert.sh [OUT_DIR]   (needs build/dsv4 and python3 with torch)
 # scripts/gpu.sh's `upstream` step runs it there with the staged pieces: DSV4_CLI (the dsv4
-# binary), LLAMA_LOGITS and LLAMA_QUANTIZE (built by build.sh), LLAMA_CPP_SOURCE (a tree holding
+# binary), LLAMA_LOGITS and LLAMA_QUANTIZE (llama_logits and llama_quant, built by build.sh;
+# upstream's llama-quantize takes the same command line here), LLAMA_CPP_SOURCE (a tree holding
 # convert_hf_to_gguf.py, conversion/ and gguf-py/). Exits non-zero when the logits disagree
 # by more than check 1's f32 bound (test_llamacpp_interop.py's F32_BOUND, F32_SAME).
 # Leaves OUT_DIR/ckpt, OUT_DIR/upstream-f32.gguf, OUT_DIR/mtp-upstream-f32.gguf (small enough
@@ -24,7 +25,7 @@ if [ -n "${LLAMA_LOGITS:-}" ]; then
 else
   lbuild="$("$here/build.sh" | tail -1)"
   logits="$lbuild/llama_logits"
-  quantize="$lbuild/bin/llama-quantize"
+  quantize="$lbuild/llama_quant"
 fi
 src="${LLAMA_CPP_SOURCE:-${DSV4_CACHE_DIR:-$HOME/.cache/dsv4}/llama_cpp_python-0.3.36/vendor/llama.cpp}"
 
@@ -45,8 +46,8 @@ export PYTHONPATH="$src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
 # upstream's converter writes Q8_0 attention and shared expert, MXFP4 experts and BF16
 # compressors, indexer, router, embedding and head even at --outtype f32 (the checkpoint's
 # FP8/FP4 weights), and llama.cpp multiplies those with Q8/BF16-rounded activations. So the
-# bounded comparison is dsv4 on upstream's file against llama.cpp on llama-quantize's F32
-# dequantisation of that same file (both multiply in f32; llama-quantize keeps the routers in
+# bounded comparison is dsv4 on upstream's file against llama.cpp on llama.cpp's quantiser's F32
+# dequantisation of that same file (both multiply in f32; the quantiser keeps the routers in
 # BF16, so upcast_bf16.py widens those exactly); llama.cpp on the file itself is printed
 # beside it.
 "$quantize" --allow-requantize "$out/upstream-f32.gguf" "$out/upstream-q-f32.gguf" F32 >"$out/quantize.log" 2>&1 ||
