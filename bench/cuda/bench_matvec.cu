@@ -103,8 +103,13 @@ int main() {
       {"4096->1024", 1024, 4096, 1},   {"1024->32768", 32768, 1024, 1}, {"4096->512", 512, 4096, 1},
       {"8x4096->1024", 1024, 4096, 8}, {"8192->4096", 4096, 8192, 1},   {"4096->129280", 129280, 4096, 1},
   };
-  const GgmlType types[] = {GgmlType::Q8_0, GgmlType::Q2_K,  GgmlType::Q3_K,    GgmlType::Q4_K,
-                            GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::IQ2_XXS, GgmlType::BF16};
+  // The last thirteen: the further types of published files (the general kernel only).
+  const GgmlType types[] = {GgmlType::Q8_0,   GgmlType::Q2_K,   GgmlType::Q3_K,    GgmlType::Q4_K,
+                            GgmlType::Q6_K,   GgmlType::MXFP4,  GgmlType::IQ2_XXS, GgmlType::BF16,
+                            GgmlType::Q4_0,   GgmlType::Q4_1,   GgmlType::Q5_0,    GgmlType::Q5_1,
+                            GgmlType::IQ4_NL, GgmlType::Q5_K,   GgmlType::IQ4_XS,  GgmlType::IQ2_XS,
+                            GgmlType::IQ2_S,  GgmlType::IQ3_XXS, GgmlType::IQ3_S,  GgmlType::IQ1_S,
+                            GgmlType::IQ1_M};
   for (GgmlType type : types)
     for (const Shape& s : shapes)
       run(type, s, 1, bw, stream, type == GgmlType::Q8_0 || type == GgmlType::Q2_K || type == GgmlType::Q3_K);
@@ -129,6 +134,18 @@ int main() {
           set_kernel_choice(KernelChoice{});
         }
       }
+  // The same on 8192->4096 for the further tensor-core types (mmq_chunk32.cuh): all added types.
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL,
+                        GgmlType::Q5_K, GgmlType::IQ4_XS, GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ1_S,
+                        GgmlType::IQ2_XS, GgmlType::IQ2_S, GgmlType::IQ1_M})
+    for (int rows : {2, 4, 8, 16, 32, 64}) {
+      run(type, shapes[4], rows, bw, stream, false, "mma", true);
+      if (rows <= 16) {
+        set_kernel_choice(legacy);
+        run(type, shapes[4], rows, bw, stream, false, "dp4a", true);
+        set_kernel_choice(KernelChoice{});
+      }
+    }
   for (int rows : {2, 4, 16}) {
     run(GgmlType::BF16, shapes[4], rows, bw, stream, false, nullptr, true);
     set_kernel_choice(legacy);

@@ -183,6 +183,13 @@ int main() {
   }
   decode_43_layers(GgmlType::Q2_K, GgmlType::Q3_K, bw, stream, false, 2);  // MTP verification
   decode_43_layers(GgmlType::IQ2_XXS, GgmlType::Q2_K, bw, stream);         // general path (no fused kernel)
+  // The further types of published files (general path): the IQ1/IQ2 recipes' pairs.
+  decode_43_layers(GgmlType::IQ1_S, GgmlType::IQ2_XS, bw, stream);
+  decode_43_layers(GgmlType::IQ1_M, GgmlType::IQ2_S, bw, stream);
+  decode_43_layers(GgmlType::IQ2_XS, GgmlType::IQ3_XXS, bw, stream);
+  decode_43_layers(GgmlType::IQ3_S, GgmlType::IQ4_XS, bw, stream);
+  decode_43_layers(GgmlType::Q4_0, GgmlType::Q5_0, bw, stream);
+  decode_43_layers(GgmlType::IQ4_NL, GgmlType::Q5_K, bw, stream);
   decode_43_layers(GgmlType::Q3_K, GgmlType::Q3_K, bw, stream);
   decode_43_layers(GgmlType::MXFP4, GgmlType::MXFP4, bw, stream);
   decode_43_layers(GgmlType::Q8_0, GgmlType::Q8_0, bw, stream);

@@ -72,6 +72,13 @@ __global__ inline void fix_scales_kernel(uint8_t* p, size_t blocks, int type, in
       case GgmlType::Q3_K: put(108); break;
       case GgmlType::Q6_K: put(208); break;
       case GgmlType::MXFP4: blk[0] = static_cast<uint8_t>(118 + (splitmix(b) & 7)); break;
+      case GgmlType::Q5_K: case GgmlType::Q4_1: case GgmlType::Q5_1: put(0); put(2); break;
+      case GgmlType::Q4_0: case GgmlType::Q5_0: case GgmlType::IQ4_NL: case GgmlType::IQ4_XS: case GgmlType::IQ2_XS:
+      case GgmlType::IQ2_S: case GgmlType::IQ3_XXS: case GgmlType::IQ3_S: case GgmlType::IQ1_S: put(0); break;
+      case GgmlType::IQ1_M:  // the fp16 scale in the top nibbles of the four scale words (byte 48)
+        for (int w = 0; w < 4; ++w)
+          blk[49 + 2 * w] = static_cast<uint8_t>((blk[49 + 2 * w] & 0x0F) | (((h >> (4 * w)) & 0xF) << 4));
+        break;
       case GgmlType::BF16: {  // block = one element: a small value
         const uint16_t v = f32_to_bf16(static_cast<float>(static_cast<int>(splitmix(b) & 255) - 128) / 2048.0f);
         blk[0] = static_cast<uint8_t>(v);

@@ -93,6 +93,25 @@ inline std::vector<uint8_t> random_weights(GgmlType type, int64_t rows, int64_t 
       case GgmlType::Q6_K: put_half(at + 208, scale(rng) * 0.001f); break;
       case GgmlType::IQ2_XXS: put_half(at, scale(rng) * 0.01f); break;
       case GgmlType::MXFP4: w[at] = static_cast<uint8_t>(118 + rng() % 8); break;
+      case GgmlType::Q4_1:
+      case GgmlType::Q5_1: put_half(at, scale(rng) * 0.01f); put_half(at + 2, scale(rng) * 0.01f); break;
+      case GgmlType::Q4_0:
+      case GgmlType::Q5_0:
+      case GgmlType::IQ4_NL:
+      case GgmlType::IQ4_XS:
+      case GgmlType::IQ2_XS:
+      case GgmlType::IQ2_S:
+      case GgmlType::IQ3_XXS:
+      case GgmlType::IQ3_S:
+      case GgmlType::IQ1_S: put_half(at, scale(rng) * 0.01f); break;
+      case GgmlType::IQ1_M: {  // the fp16 scale lives in the top nibbles of the four scale words
+        const uint16_t h = f32_to_fp16(scale(rng) * 0.01f);
+        for (int word = 0; word < 4; ++word) {
+          uint8_t& top = w[at + 48 + 2 * word + 1];
+          top = static_cast<uint8_t>((top & 0x0F) | (((h >> (4 * word)) & 0xF) << 4));
+        }
+        break;
+      }
       default: break;
     }
   }

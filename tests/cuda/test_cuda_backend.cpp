@@ -27,9 +27,12 @@ constexpr double kMatvecBound = 2e-2;      // Q8 activations (docs/CUDA.md, matv
 constexpr double kGemmBound = 1e-2;        // BF16 weights and activations
 constexpr double kMoeQuantizedBound = 3e-2;
 
-const GgmlType kAllWeightTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
-                                    GgmlType::MXFP4, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
-                                    GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::IQ2_XXS};
+const GgmlType kAllWeightTypes[] = {GgmlType::F32,    GgmlType::F16,    GgmlType::BF16,    GgmlType::Q8_0,
+                                    GgmlType::MXFP4,  GgmlType::Q2_K,   GgmlType::Q3_K,    GgmlType::Q4_K,
+                                    GgmlType::Q5_K,   GgmlType::Q6_K,   GgmlType::IQ2_XXS, GgmlType::Q4_0,
+                                    GgmlType::Q4_1,   GgmlType::Q5_0,   GgmlType::Q5_1,    GgmlType::IQ4_NL,
+                                    GgmlType::IQ4_XS, GgmlType::IQ2_XS, GgmlType::IQ2_S,   GgmlType::IQ3_XXS,
+                                    GgmlType::IQ3_S,  GgmlType::IQ1_S,  GgmlType::IQ1_M};
 
 std::string shape_text(int64_t a, int64_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
 
@@ -611,6 +614,11 @@ INSTANTIATE_TEST_SUITE_P(Types, CudaExperts,
                                            ExpertCase{GgmlType::Q2_K, GgmlType::Q3_K},
                                            ExpertCase{GgmlType::IQ2_XXS, GgmlType::Q6_K},
                                            ExpertCase{GgmlType::Q4_K, GgmlType::Q5_K},
+                                           ExpertCase{GgmlType::IQ2_XS, GgmlType::IQ1_S},
+                                           ExpertCase{GgmlType::Q5_0, GgmlType::IQ4_NL},
+                                           ExpertCase{GgmlType::IQ1_M, GgmlType::IQ4_XS},
+                                           ExpertCase{GgmlType::IQ3_XXS, GgmlType::IQ3_S},
+                                           ExpertCase{GgmlType::Q4_0, GgmlType::IQ2_S},
                                            ExpertCase{GgmlType::BF16, GgmlType::F32}),
                          [](const auto& info) { return type_name(info.param.gate_up) + "_" + type_name(info.param.down); });
 

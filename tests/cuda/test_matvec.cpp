@@ -125,13 +125,18 @@ TEST(Matvec, RejectsBadArguments) {
   EXPECT_FALSE(matvec(w, nullptr, 1, nullptr, nullptr, 0, nullptr).is_ok());  // k not a multiple of 256
   w.k = 256;
   EXPECT_FALSE(matvec(w, nullptr, 17, nullptr, nullptr, 0, nullptr).is_ok());  // too many rows
-  w.type = GgmlType::Q5_K;
+  w.type = GgmlType::F16;
   EXPECT_FALSE(matvec(w, nullptr, 1, nullptr, nullptr, 0, nullptr).is_ok());  // unsupported type
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, MatvecTest,
                          ::testing::Values(GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
-                                           GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::IQ2_XXS, GgmlType::BF16),
+                                           GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::IQ2_XXS, GgmlType::BF16,
+                                           // the types of published files (general kernel only)
+                                           GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
+                                           GgmlType::IQ4_NL, GgmlType::Q5_K, GgmlType::IQ4_XS, GgmlType::IQ2_XS,
+                                           GgmlType::IQ2_S, GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ1_S,
+                                           GgmlType::IQ1_M),
                          [](const auto& info) { return type_name(info.param); });
 
 }  // namespace

@@ -30,7 +30,12 @@ struct Case {
 int alignment(GgmlType t) {
   switch (t) {
     case GgmlType::Q2_K:
-    case GgmlType::Q4_K: return 4;
+    case GgmlType::Q4_K:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_1:
+    case GgmlType::Q5_K:
+    case GgmlType::IQ4_XS:
+    case GgmlType::IQ1_M: return 4;
     case GgmlType::MXFP4: return 1;
     default: return 2;
   }
@@ -175,7 +180,10 @@ TEST(Mmq, RejectsWhatItCannotTake) {
 
 INSTANTIATE_TEST_SUITE_P(Types, MmqTest,
                          ::testing::Values(GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
-                                           GgmlType::Q6_K, GgmlType::MXFP4),
+                                           GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::Q4_0, GgmlType::Q4_1,
+                                           GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL, GgmlType::Q5_K,
+                                           GgmlType::IQ4_XS, GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ1_S,
+                                           GgmlType::IQ2_XS, GgmlType::IQ2_S, GgmlType::IQ1_M),
                          [](const auto& info) { return type_name(info.param); });
 
 }  // namespace

@@ -173,7 +173,21 @@ INSTANTIATE_TEST_SUITE_P(Types, MoeTest,
                                            TypePair{GgmlType::Q3_K, GgmlType::Q3_K},
                                            TypePair{GgmlType::Q4_K, GgmlType::Q6_K},
                                            TypePair{GgmlType::MXFP4, GgmlType::MXFP4},
-                                           TypePair{GgmlType::Q8_0, GgmlType::BF16}),
+                                           TypePair{GgmlType::Q8_0, GgmlType::BF16},
+                                           // the types of published files: each once as gate/up, once as down
+                                           TypePair{GgmlType::Q4_0, GgmlType::Q5_0},
+                                           TypePair{GgmlType::Q5_0, GgmlType::IQ4_NL},
+                                           TypePair{GgmlType::IQ4_NL, GgmlType::IQ4_XS},
+                                           TypePair{GgmlType::IQ4_XS, GgmlType::Q5_K},
+                                           TypePair{GgmlType::Q5_K, GgmlType::IQ2_XS},
+                                           TypePair{GgmlType::IQ2_XS, GgmlType::IQ2_S},
+                                           TypePair{GgmlType::IQ2_S, GgmlType::IQ3_XXS},
+                                           TypePair{GgmlType::IQ3_XXS, GgmlType::IQ3_S},
+                                           TypePair{GgmlType::IQ3_S, GgmlType::IQ1_S},
+                                           TypePair{GgmlType::IQ1_S, GgmlType::IQ1_M},
+                                           TypePair{GgmlType::IQ1_M, GgmlType::Q4_1},
+                                           TypePair{GgmlType::Q4_1, GgmlType::Q5_1},
+                                           TypePair{GgmlType::Q5_1, GgmlType::Q4_0}),
                          [](const auto& info) {
                            return type_name(info.param.gate_up) + "_" + type_name(info.param.down);
                          });

@@ -36,6 +36,7 @@
 
 namespace dsv4::cuda::detail {
 Status iq2_tables(const uint64_t** grid, const uint8_t** signs);  // iq2_tables.cu
+Status iq_tables(quant::IqTables* out);                            // iq2_tables.cu
 }  // namespace dsv4::cuda::detail
 
 namespace dsv4::backend {
@@ -139,6 +140,7 @@ __global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float
   const float* xr = x.row(row) + g * width;
   float* yr = y.row(row) + g * width;
   double ss = 0.0;
+#pragma unroll 4
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
   const float r = ref::inverse_rms(block_sum(ss), width, eps);
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
@@ -239,20 +241,88 @@ __device__ void hc_split_sinkhorn_block(const float* mixes, float rho, const flo
   if (mine) comb[t] = v;
 }
 
-// One block per row: the RMS scale of all streams, the split (Sinkhorn over n*n threads), the
-// collapse.
-__global__ void hc_pre_kernel(Mat<float> streams, Mat<float> mixes, const float* __restrict__ scale,
-                              const float* __restrict__ base, int n_hc, int iters, float hc_eps, float norm_eps,
-                              int64_t width, Mat<float> x, Mat<float> post, Mat<float> comb) {
+// The comb part of hc_split_sinkhorn_block on warp 0 alone (n * n <= 32): the same entries, the
+// same operations in the same order, with warp barriers instead of block barriers, so the
+// other warps of the block can do the collapse meanwhile.
+__device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float* scale, const float* base, int n,
+                                      int iters, float eps, float* comb) {
+  __shared__ float c[32];
+  const int t = static_cast<int>(threadIdx.x);
+  const bool mine = t < n * n;
+  const int j = mine ? t / n : 0, k = mine ? t % n : 0;
+  float v = mine ? ref::fma(ref::mul(mixes[2 * n + t], rho), scale[2], base[2 * n + t]) : 0.0f;
+  const auto publish = [&] {
+    __syncwarp();
+    if (mine) c[t] = v;
+    __syncwarp();
+  };
+  publish();
+  if (mine) {
+    float m = c[j * n];
+    for (int q = 1; q < n; ++q) m = ref::std_max(m, c[j * n + q]);
+    v = ref::exp(ref::sub(v, m));
+  }
+  publish();
+  if (mine) {
+    float sum = 0.0f;
+    for (int q = 0; q < n; ++q) sum = ref::add(sum, c[j * n + q]);
+    v = ref::add(ref::div(v, sum), eps);
+  }
+  publish();
+  const auto normalise = [&](bool columns) {
+    if (mine) {
+      float sum = 0.0f;
+      for (int q = 0; q < n; ++q) sum = ref::add(sum, columns ? c[q * n + k] : c[j * n + q]);
+      v = ref::div(v, ref::add(sum, eps));
+    }
+    publish();
+  };
+  normalise(true);
+  for (int it = 1; it < iters; ++it) {
+    normalise(false);
+    normalise(true);
+  }
+  if (mine) comb[t] = v;
+}
+
+// One block of kHcThreads per row: the RMS scale of all streams, the split, the collapse. With
+// n * n <= 32 (V4: n = 4) warp 0 runs the Sinkhorn iterations while the other warps collapse
+// (the collapse needs only pre, which needs only the RMS scale); otherwise the whole block
+// runs the split first. A decode step has one row, so the loads are unrolled and the block is
+// wide: 256 threads walked the 16384 values in dependent rounds (issue 10's profile: 40 us).
+constexpr int kHcThreads = 1024;
+
+__global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, Mat<float> mixes,
+                                                            const float* __restrict__ scale,
+                                                            const float* __restrict__ base, int n_hc, int iters,
+                                                            float hc_eps, float norm_eps, int64_t width, Mat<float> x,
+                                                            Mat<float> post, Mat<float> comb) {
   __shared__ float pre[kMaxHc];
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
   double ss = 0.0;
+#pragma unroll 4
   for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
   const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
-  hc_split_sinkhorn_block(mixes.row(s), rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
+  const float* m = mixes.row(s);
+  float* xr = x.row(s);
+  if (n_hc * n_hc <= 32 && blockDim.x > 32) {
+    const int t = static_cast<int>(threadIdx.x);
+    if (t < n_hc) {  // as in hc_split_sinkhorn_block
+      pre[t] = ref::add(ref::sigmoid(ref::fma(ref::mul(m[t], rho), scale[0], base[t])), hc_eps);
+      post.row(s)[t] = ref::mul(2.0f, ref::sigmoid(ref::fma(ref::mul(m[n_hc + t], rho), scale[1], base[n_hc + t])));
+    }
+    __syncthreads();
+    if (t < 32) {
+      hc_sinkhorn_comb_warp(m, rho, scale, base, n_hc, iters, hc_eps, comb.row(s));
+    } else {
+      for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+    }
+    return;
+  }
+  hc_split_sinkhorn_block(m, rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
 }
 
 // X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
@@ -269,13 +339,14 @@ __global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, i
   }
 }
 
-__global__ void hc_head_kernel(Mat<float> streams, Mat<float> mixes, const float* __restrict__ scale,
+__global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams, Mat<float> mixes, const float* __restrict__ scale,
                                const float* __restrict__ base, int n_hc, float hc_eps, float norm_eps, int64_t width,
                                Mat<float> x) {
   __shared__ float w[kMaxHc];
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
   double ss = 0.0;
+#pragma unroll 4
   for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
   const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
   if (threadIdx.x < n_hc) {
@@ -308,11 +379,29 @@ __global__ void hadamard_kernel(Mat<float> x, int64_t width, int64_t groups) {
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) p[i] = __fmul_rn(v[i], s);
 }
 
-// cpu::round_fp8_block / round_fp4_block on each block of columns [0, cols); one thread per
-// block.
+// cpu::round_fp8_block on each block of columns [0, cols); one warp per block. The same
+// values as the one-thread reference: amax starts at 0 and std_max never takes a NaN in (so
+// the lanes' partial maxima combine in any order), and each element's rounding depends only on
+// it and the scale. (One thread per block was 16 us per decode step and layer: a 512-wide KV
+// row is 8 threads walking 64 values each.)
 __global__ void round_fp8_kernel(Mat<float> x, int64_t cols, int64_t block) {
   const int64_t per_row = cols / block;
-  DSV4_GRID_STRIDE(idx, x.rows * per_row) ref::round_fp8_block(x.row(idx / per_row) + (idx % per_row) * block, block);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; idx < x.rows * per_row;
+       idx += warps) {
+    float* v = x.row(idx / per_row) + (idx % per_row) * block;
+    float amax = 0.0f;
+    for (int64_t i = lane; i < block; i += 32) amax = ref::std_max(amax, ref::abs(v[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = ref::std_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    amax = ref::std_max(amax, 1e-4f);
+    const float sc = ref::pow2_ceil(ref::mul(amax, 1.0f / kE4M3Max));
+    for (int64_t i = lane; i < block; i += 32) {
+      const float r = ref::std_clamp(ref::div(v[i], sc), -kE4M3Max, kE4M3Max);
+      v[i] = ref::mul(e4m3_to_f32(f32_to_e4m3(r)), sc);
+    }
+  }
 }
 
 __global__ void round_fp4_kernel(Mat<float> x, int64_t block) {
@@ -468,6 +557,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   *m.host_errors = 0;
   for (cudaEvent_t& e : m.half_done) DSV4_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DSV4_TRY(cuda::detail::iq2_tables(&m.iq2_grid, &m.iq2_signs));
+  DSV4_TRY(cuda::detail::iq_tables(&m.iq_tables));
   DSV4_TRY(cuda::prepare_matvec_tables());
   DSV4_TRY(cuda::prepare_attention_kernels());  // no function attributes set inside a graph capture
   const char* env = std::getenv("DSV4_POISON_SCRATCH");
@@ -718,7 +808,7 @@ Status exact_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<floa
   ew.n = w.n;
   ew.k = w.k;
   ew.row_bytes = w.row_bytes;
-  ew.tables = {m.iq2_grid, m.iq2_signs};
+  ew.tables = {m.iq2_grid, m.iq2_signs, m.iq_tables};
   return cuda::exact_matmul(ew, x.p, x.ld, x.rows, y.p, y.ld, m.stream);
 }
 
@@ -829,7 +919,7 @@ Status CudaBackend::get_rows(const Tensor& table, const Tensor& ids, const Tenso
   if (n == 0) return Status::ok();
   const int64_t row_bytes = table.rank >= 2 ? table.row_stride() : static_cast<int64_t>(tensor_bytes(table));
   Impl& m = *impl_;
-  const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs};
+  const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs, m.iq_tables};
   const auto* data = static_cast<const uint8_t*>(table.data);
   const auto* id = static_cast<const int32_t*>(ids.data);
   const unsigned grid = cudaops::grid_for(n * yv.cols);
@@ -855,7 +945,10 @@ Status CudaBackend::rms_norm(const Tensor& x, const Tensor* weight, float eps, i
   const int64_t groups = xv.cols / width, blocks = xv.rows * groups;
   if (blocks == 0) return Status::ok();
   if (blocks > INT32_MAX) return Status::errorf("rms_norm: {} groups exceed the grid", blocks);
-  rms_norm_kernel<<<static_cast<unsigned>(blocks), 256, 0, impl_->stream>>>(xv, w, eps, width, groups, yv);
+  // About four values per thread: a decode step normalises one row per launch, and one block
+  // of 256 threads walked a 4096-wide row in 16 dependent rounds of loads (issue 10's profile).
+  const int threads = static_cast<int>(std::clamp<int64_t>((width / 4 + 31) / 32 * 32, 64, 1024));
+  rms_norm_kernel<<<static_cast<unsigned>(blocks), threads, 0, impl_->stream>>>(xv, w, eps, width, groups, yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -910,7 +1003,7 @@ Status CudaBackend::hc_pre(const Tensor& streams, const Tensor& mixes, const Ten
   DSV4_ASSIGN_OR_RETURN(const Mat<float> pv, cudaops::f32(post, this, "hc_pre", "post", n, n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_pre", "comb", n, n_hc * n_hc));
   if (n == 0) return Status::ok();
-  hc_pre_kernel<<<static_cast<unsigned>(n), 256, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, sinkhorn_iters, hc_eps,
+  hc_pre_kernel<<<static_cast<unsigned>(n), kHcThreads, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, sinkhorn_iters, hc_eps,
                                                                      norm_eps, width, xv, pv, cv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
@@ -940,7 +1033,7 @@ Status CudaBackend::hc_head(const Tensor& streams, const Tensor& mixes, const Te
   DSV4_ASSIGN_OR_RETURN(const Mat<float> bv, cudaops::f32(base, this, "hc_head", "base", -1, n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "hc_head", "x", n, width));
   if (n == 0) return Status::ok();
-  hc_head_kernel<<<static_cast<unsigned>(n), 256, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, hc_eps, norm_eps,
+  hc_head_kernel<<<static_cast<unsigned>(n), kHcThreads, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, hc_eps, norm_eps,
                                                                       width, xv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
@@ -968,7 +1061,7 @@ Status CudaBackend::round_fp8_blocks(const Tensor& x, int64_t cols, int64_t bloc
     return Status::errorf("round_fp8_blocks: {} columns in blocks of {} of {}", cols, block, x.describe());
   const int64_t count = xv.rows * (cols / block);
   if (count == 0) return Status::ok();
-  round_fp8_kernel<<<cudaops::grid_for(count, 128), 128, 0, impl_->stream>>>(xv, cols, block);
+  round_fp8_kernel<<<cudaops::grid_for(count * 32, 128), 128, 0, impl_->stream>>>(xv, cols, block);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

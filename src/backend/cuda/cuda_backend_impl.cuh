@@ -15,6 +15,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "gguf/quant_decode.h"
 
 namespace dsv4::backend {
 
@@ -75,6 +76,7 @@ struct CudaBackend::Impl {
   // IQ2_XXS decoding tables on the device (cuda::detail::iq2_tables), fetched at create().
   const uint64_t* iq2_grid = nullptr;
   const uint8_t* iq2_signs = nullptr;
+  quant::IqTables iq_tables{};  // the other i-quants' codebooks (cuda::detail::iq_tables)
 
   // RoPE frequency tables, computed on the host (cpu::rope_frequencies) on first use of a
   // parameter set and kept.

@@ -167,7 +167,7 @@ cuda::ExactWeights exact_stack(const Tensor& t, const CudaBackend::Impl& m) {
   w.k = t.dim(2);
   w.row_bytes = t.stride[1];
   w.matrix_bytes = t.stride[0];
-  w.tables = {m.iq2_grid, m.iq2_signs};
+  w.tables = {m.iq2_grid, m.iq2_signs, m.iq_tables};
   return w;
 }
 

@@ -124,19 +124,32 @@ __global__ void __launch_bounds__(kThreads) exact_gemm_kernel(const GemmArgs a) 
 // shared-memory tile put a barrier and a round trip to memory on every 128 values of k, which
 // made the hyper-connection mixes ([1, 16384] x [16384, 24]: 24 outputs, three blocks on the
 // whole GPU) a third of a decode step (issue 10's profile). Here one block per output stages
-// its whole weight row and the activations in shared memory with every load in flight (256
+// its whole weight row and the activations in shared memory with every load in flight (1024
 // threads, 16-byte loads where both sides are aligned), then warp 0 runs the chains from
 // shared memory: one memory latency per output instead of one per 128 values of k.
-constexpr int kStageThreads = 256;
+constexpr int kStageThreads = 1024;
 constexpr int64_t kStageMaxBytes = 160 * 1024;  // x (k floats) + one weight row
+constexpr int kStageUnroll = 8;                 // 16-byte loads in flight per thread
 
+// Every thread issues kStageUnroll loads before it stores any (a plain copy loop waits for each
+// load before the next: 32 rounds of memory latency for a 16384-wide F32 row).
 __device__ __forceinline__ void stage_bytes(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
                                             int64_t bytes) {
   int64_t done = 0;
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
     const int64_t vectors = bytes / 16;
-    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x)
-      reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+    const uint4* in = reinterpret_cast<const uint4*>(src);
+    uint4* out = reinterpret_cast<uint4*>(dst);
+    const int64_t stride = blockDim.x;
+    for (int64_t v0 = threadIdx.x; v0 < vectors; v0 += kStageUnroll * stride) {
+      uint4 r[kStageUnroll];
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u)
+        if (v0 + u * stride < vectors) r[u] = in[v0 + u * stride];
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u)
+        if (v0 + u * stride < vectors) out[v0 + u * stride] = r[u];
+    }
     done = vectors * 16;
   }
   for (int64_t b = done + threadIdx.x; b < bytes; b += blockDim.x) dst[b] = src[b];
@@ -217,8 +230,8 @@ Status check(const ExactWeights& w, const char* op) {
   if (reinterpret_cast<uintptr_t>(w.data) % align != 0 || w.row_bytes % align != 0 || w.matrix_bytes % align != 0)
     return Status::error(std::string(op) + ": " + std::string(t.name) + " rows must be " + std::to_string(align) +
                          "-byte aligned");
-  if (w.type == GgmlType::IQ2_XXS && (w.tables.grid == nullptr || w.tables.signs == nullptr))
-    return Status::error(std::string(op) + ": iq2_xxs without its tables");
+  if (!exact::tables_ready(w.type, w.tables))
+    return Status::error(std::string(op) + ": " + std::string(t.name) + " without its device codebooks");
   return Status::ok();
 }
 

@@ -22,7 +22,8 @@ Status cublas_status(cublasStatus_t s, const char* what, const char* file, int l
 // neighbouring threads write neighbouring 64-byte pieces.
 template <GgmlType T>
 __global__ void dequantize_bf16_kernel(const uint8_t* __restrict__ w, int64_t n, int64_t k, int64_t row_bytes,
-                                       const uint64_t* grid, const uint8_t* signs, __nv_bfloat16* __restrict__ out) {
+                                       const uint64_t* grid, const uint8_t* signs, quant::IqTables iq,
+                                       __nv_bfloat16* __restrict__ out) {
   using U = QuantUnit<T>;
   const int64_t parts_per_row = k / 32;
   const int64_t part = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -34,7 +35,7 @@ __global__ void dequantize_bf16_kernel(const uint8_t* __restrict__ w, int64_t n,
   int where;
   const uint8_t* at = unit_address<U>(w + row * row_bytes, u, where);
   Unit32 d[U::kSub];
-  U::decode(at, where, Iq2Tables{grid, signs}, d, valid);
+  U::decode(at, where, Iq2Tables{grid, signs, iq}, d, valid);
   Unit32 mine = d[0];
 #pragma unroll
   for (int i = 1; i < U::kSub; ++i)
@@ -65,13 +66,15 @@ template <GgmlType T>
 Status launch_dequantize(const void* w, int64_t n, int64_t k, __nv_bfloat16* out, cudaStream_t stream) {
   const uint64_t* grid = nullptr;
   const uint8_t* signs = nullptr;
+  quant::IqTables iq{};
   if constexpr (T == GgmlType::IQ2_XXS) DSV4_TRY(detail::iq2_tables(&grid, &signs));
+  if constexpr (needs_iq_tables(T)) DSV4_TRY(detail::iq_tables(&iq));
   const auto& traits = ggml_traits(T);
   const int64_t units = n * (k / 32);
   constexpr int kThreads = 256;
   dequantize_bf16_kernel<T><<<static_cast<unsigned>((units + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(w), n, k, static_cast<int64_t>(k / traits.block_elems * traits.block_bytes), grid,
-      signs, out);
+      signs, iq, out);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -94,6 +97,19 @@ Status dequantize_to_bf16(GgmlType type, const void* w, int64_t n, int64_t k, __
     case GgmlType::Q6_K: return launch_dequantize<GgmlType::Q6_K>(w, n, k, out, stream);
     case GgmlType::MXFP4: return launch_dequantize<GgmlType::MXFP4>(w, n, k, out, stream);
     case GgmlType::IQ2_XXS: return launch_dequantize<GgmlType::IQ2_XXS>(w, n, k, out, stream);
+    case GgmlType::Q4_0: return launch_dequantize<GgmlType::Q4_0>(w, n, k, out, stream);
+    case GgmlType::Q4_1: return launch_dequantize<GgmlType::Q4_1>(w, n, k, out, stream);
+    case GgmlType::Q5_0: return launch_dequantize<GgmlType::Q5_0>(w, n, k, out, stream);
+    case GgmlType::Q5_1: return launch_dequantize<GgmlType::Q5_1>(w, n, k, out, stream);
+    case GgmlType::IQ4_NL: return launch_dequantize<GgmlType::IQ4_NL>(w, n, k, out, stream);
+    case GgmlType::Q5_K: return launch_dequantize<GgmlType::Q5_K>(w, n, k, out, stream);
+    case GgmlType::IQ4_XS: return launch_dequantize<GgmlType::IQ4_XS>(w, n, k, out, stream);
+    case GgmlType::IQ2_XS: return launch_dequantize<GgmlType::IQ2_XS>(w, n, k, out, stream);
+    case GgmlType::IQ2_S: return launch_dequantize<GgmlType::IQ2_S>(w, n, k, out, stream);
+    case GgmlType::IQ3_XXS: return launch_dequantize<GgmlType::IQ3_XXS>(w, n, k, out, stream);
+    case GgmlType::IQ3_S: return launch_dequantize<GgmlType::IQ3_S>(w, n, k, out, stream);
+    case GgmlType::IQ1_S: return launch_dequantize<GgmlType::IQ1_S>(w, n, k, out, stream);
+    case GgmlType::IQ1_M: return launch_dequantize<GgmlType::IQ1_M>(w, n, k, out, stream);
     default: return Status::error("dequantize_to_bf16: unreachable type");
   }
 }

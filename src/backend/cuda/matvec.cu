@@ -126,7 +126,9 @@ bool programmatic_launch_enabled() { return programmatic_launch(); }
 Status prepare_matvec_tables() {
   const uint64_t* grid = nullptr;
   const uint8_t* signs = nullptr;
-  return detail::iq2_tables(&grid, &signs);
+  DSV4_TRY(detail::iq2_tables(&grid, &signs));
+  quant::IqTables iq;
+  return detail::iq_tables(&iq);
 }
 
 bool matvec_supported(GgmlType type) {
@@ -141,7 +143,7 @@ bool matvec_supported(GgmlType type) {
     case GgmlType::BF16:
       return true;
     default:
-      return false;
+      return detail::is_added_type(type);
   }
 }
 
@@ -155,7 +157,58 @@ int unit_weights(GgmlType type) {
     case GgmlType::Q6_K: return QuantPolicy<GgmlType::Q6_K>::kUnitWeights;
     case GgmlType::MXFP4: return QuantPolicy<GgmlType::MXFP4>::kUnitWeights;
     case GgmlType::IQ2_XXS: return QuantPolicy<GgmlType::IQ2_XXS>::kUnitWeights;
+    case GgmlType::Q4_0: return QuantPolicy<GgmlType::Q4_0>::kUnitWeights;
+    case GgmlType::Q4_1: return QuantPolicy<GgmlType::Q4_1>::kUnitWeights;
+    case GgmlType::Q5_0: return QuantPolicy<GgmlType::Q5_0>::kUnitWeights;
+    case GgmlType::Q5_1: return QuantPolicy<GgmlType::Q5_1>::kUnitWeights;
+    case GgmlType::IQ4_NL: return QuantPolicy<GgmlType::IQ4_NL>::kUnitWeights;
+    case GgmlType::Q5_K: return QuantPolicy<GgmlType::Q5_K>::kUnitWeights;
+    case GgmlType::IQ4_XS: return QuantPolicy<GgmlType::IQ4_XS>::kUnitWeights;
+    case GgmlType::IQ2_XS: return QuantPolicy<GgmlType::IQ2_XS>::kUnitWeights;
+    case GgmlType::IQ2_S: return QuantPolicy<GgmlType::IQ2_S>::kUnitWeights;
+    case GgmlType::IQ3_XXS: return QuantPolicy<GgmlType::IQ3_XXS>::kUnitWeights;
+    case GgmlType::IQ3_S: return QuantPolicy<GgmlType::IQ3_S>::kUnitWeights;
+    case GgmlType::IQ1_S: return QuantPolicy<GgmlType::IQ1_S>::kUnitWeights;
+    case GgmlType::IQ1_M: return QuantPolicy<GgmlType::IQ1_M>::kUnitWeights;
     default: return Bf16Policy::kUnitWeights;
+  }
+}
+
+bool is_added_type(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::IQ4_NL:
+    case GgmlType::Q5_K:
+    case GgmlType::IQ4_XS:
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S:
+    case GgmlType::IQ1_M:
+      return true;
+    default:
+      return false;
+  }
+}
+
+Status run_added_types(GgmlType type, const MatvecArgs& a, const MatvecCall& c, cudaStream_t stream) {
+  switch (type) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::IQ4_NL:
+    case GgmlType::Q5_K:
+    case GgmlType::IQ4_XS:
+      return matvec_nibble_types(type, a, c, stream);
+    default:
+      if (!is_added_type(type))
+        return Status::error("matvec: weight type " + std::string(ggml_type_name(type)) + " is not supported");
+      return matvec_codebook_types(type, a, c, stream);
   }
 }
 }  // namespace detail
@@ -234,7 +287,11 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
     case GgmlType::Q6_K: return launch_rows<detail::QuantPolicy<GgmlType::Q6_K>>(a, rows, stream);
     case GgmlType::MXFP4: return launch_rows<detail::QuantPolicy<GgmlType::MXFP4>>(a, rows, stream);
     case GgmlType::IQ2_XXS: return launch_rows<detail::QuantPolicy<GgmlType::IQ2_XXS>>(a, rows, stream);
-    default: return Status::error("matvec: weight type " + name + " is not supported");
+    default: {
+      detail::MatvecCall call;
+      call.rows = rows;
+      return detail::run_added_types(w.type, a, call, stream);
+    }
   }
 }
 

@@ -17,10 +17,12 @@
 
 namespace dsv4::cuda {
 
-// Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4, IQ2_XXS, BF16.
+// Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4, IQ2_XXS, BF16, and Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q5_K,
+// IQ4_XS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (no one-row kernel for these; IQ2_XXS has
+// no tensor-core kernel, so 1-16 rows).
 bool matvec_supported(GgmlType type);
 
-// Uploads the constant tables the kernels use (IQ2_XXS's grid). Done on first use otherwise;
+// Uploads the constant tables the kernels use (the i-quants' grids). Done on first use otherwise;
 // call it before capturing CUDA graphs, where the upload is not allowed.
 Status prepare_matvec_tables();
 

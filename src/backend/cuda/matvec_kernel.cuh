@@ -70,6 +70,7 @@ struct MatvecArgs {
   float* out = nullptr;
   const uint64_t* iq2_grid = nullptr;
   const uint8_t* iq2_signs = nullptr;
+  quant::IqTables iq{};  // the other i-quants' codebooks (device memory)
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -93,6 +94,7 @@ template <GgmlType T>
 struct QuantPolicy {
   using Unit = QuantUnit<T>;
   static constexpr bool kIq2 = T == GgmlType::IQ2_XXS;
+  static constexpr bool kIqTables = needs_iq_tables(T);
   static constexpr int kUnitWeights = 32 * Unit::kSub;
   // Row element offsets of the activation rows in the quantised layout.
   __device__ static int64_t row_offset(const ActView& act, int row) { return static_cast<int64_t>(row) * act.padded_k; }
@@ -105,7 +107,7 @@ struct QuantPolicy {
                                     const Iq2Tables& tables) {
     const int unit = t * act.lanes + slot;
     // Sub-units past the row's end (MXFP4 and Q8_0 rows of an odd number of 128-weight units).
-    // K-quant and IQ2_XXS rows hold whole units (k is a multiple of 256): no run-time bound.
+    // Rows of 256-element blocks hold whole units (k is a multiple of 256): no run-time bound.
     const int valid =
         Unit::kBlocksPerUnit == 0 ? Unit::kSub : min(Unit::kSub, act.subunits_per_row - unit * Unit::kSub);
     int part;
@@ -149,6 +151,7 @@ struct QuantPolicy {
 
 struct Bf16Policy {
   static constexpr bool kIq2 = false;
+  static constexpr bool kIqTables = false;
   static constexpr int kUnitWeights = 32;
   __device__ static int64_t row_offset(const ActView& act, int row) { return static_cast<int64_t>(row) * act.k; }
 
@@ -317,7 +320,7 @@ __device__ __forceinline__ void compute_group(const MatvecArgs& a, int64_t g, co
 template <class Policy, int NR, MatvecMode M>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_kernel(const MatvecArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
-  Iq2Tables tables{nullptr, nullptr};
+  Iq2Tables tables{nullptr, nullptr, a.iq};
   uint8_t* stages = smem;
   if constexpr (Policy::kIq2) {
     auto* grid = reinterpret_cast<uint64_t*>(smem);
@@ -325,7 +328,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_kernel(const Matve
     for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = a.iq2_grid[i];
     for (int i = threadIdx.x; i < 128; i += blockDim.x) signs[i] = a.iq2_signs[i];
     __syncthreads();
-    tables = {grid, signs};
+    tables.grid = grid;
+    tables.signs = signs;
     stages = smem + kIq2TableBytes;
   }
   allow_next_kernel();

@@ -16,6 +16,8 @@ namespace dsv4::cuda::detail {
 
 // ggml's IQ2_XXS grid and sign tables in device memory (iq2_tables.cu).
 Status iq2_tables(const uint64_t** grid, const uint8_t** signs);
+// The other i-quants' codebooks (iq_tables.h) in device memory (iq2_tables.cu).
+Status iq_tables(quant::IqTables* out);
 
 // Whether matvec-family kernels launch with programmatic dependent launch (default on;
 // environment DSV4_CUDA_PDL=0 or set_programmatic_launch(false) turns it off).
@@ -87,6 +89,7 @@ Status launch_matvec_kernel(MatvecArgs a, int sources, int64_t max_tasks, cudaSt
                          " sources need " + std::to_string(smem) + " bytes of shared memory, limit " +
                          std::to_string(kMaxSharedBytes));
   if constexpr (Policy::kIq2) DSV4_TRY(iq2_tables(&a.iq2_grid, &a.iq2_signs));
+  if constexpr (Policy::kIqTables) DSV4_TRY(iq_tables(&a.iq));
 
   auto kernel = Kernel;
   static int64_t attribute_bytes = -1;  // per instantiation
@@ -127,5 +130,44 @@ template <class Policy, int NR, MatvecMode M>
 Status launch_matvec(MatvecArgs a, int sources, int64_t max_tasks, cudaStream_t stream) {
   return launch_matvec_kernel<Policy, NR, M, &matvec_kernel<Policy, NR, M>>(a, sources, max_tasks, stream);
 }
+
+// Rows of an expert tile on the batched routed-expert path (moe_experts.cu).
+inline constexpr int kExpertTileRows = 8;
+
+// One product of the general kernel: a plain matvec of `rows` activation rows, or a
+// routed-expert gate/up or down pass (decode: one pair or token per task; else tiles).
+enum class MatvecOp { kPlain, kGateUp, kDown };
+struct MatvecCall {
+  MatvecOp op = MatvecOp::kPlain;
+  int rows = 1;          // kPlain
+  bool decode = false;   // expert ops
+  int64_t tasks = 0;     // expert ops: pairs, tokens or the tile bound
+};
+
+template <class Policy>
+Status run_matvec_call(const MatvecArgs& a, const MatvecCall& c, cudaStream_t stream) {
+  if (c.op == MatvecOp::kPlain) {
+    const int64_t tasks = a.n_tasks;
+    if (c.rows <= 1) return launch_matvec<Policy, 1, MatvecMode::kPlain>(a, 1, tasks, stream);
+    if (c.rows <= 2) return launch_matvec<Policy, 2, MatvecMode::kPlain>(a, 1, tasks, stream);
+    if (c.rows <= 4) return launch_matvec<Policy, 4, MatvecMode::kPlain>(a, 1, tasks, stream);
+    if (c.rows <= 8) return launch_matvec<Policy, 8, MatvecMode::kPlain>(a, 1, tasks, stream);
+    return launch_matvec<Policy, 16, MatvecMode::kPlain>(a, 1, tasks, stream);
+  }
+  if (c.op == MatvecOp::kGateUp) {
+    if (c.decode) return launch_matvec<Policy, 1, MatvecMode::kGateUp>(a, 2, c.tasks, stream);
+    return launch_matvec<Policy, kExpertTileRows, MatvecMode::kGateUp>(a, 2, c.tasks, stream);
+  }
+  if (c.decode) return launch_matvec<Policy, 1, MatvecMode::kDownSum>(a, a.top_k, c.tasks, stream);
+  return launch_matvec<Policy, kExpertTileRows, MatvecMode::kDownTiled>(a, 1, c.tasks, stream);
+}
+
+// The types added for published files, compiled apart so that no one file holds every
+// kernel: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q5_K, IQ4_XS (matvec_nibble_types.cu) and IQ2_XS, IQ2_S,
+// IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (matvec_codebook_types.cu). run_added_types picks the file.
+Status matvec_nibble_types(GgmlType type, const MatvecArgs& a, const MatvecCall& c, cudaStream_t stream);
+Status matvec_codebook_types(GgmlType type, const MatvecArgs& a, const MatvecCall& c, cudaStream_t stream);
+bool is_added_type(GgmlType type);
+Status run_added_types(GgmlType type, const MatvecArgs& a, const MatvecCall& c, cudaStream_t stream);
 
 }  // namespace dsv4::cuda::detail

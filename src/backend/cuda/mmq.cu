@@ -16,6 +16,19 @@ Status launch_mmq(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t
     case GgmlType::Q4_K: return launch_mmq_q4_k(a, nt, mode, tasks, stream);
     case GgmlType::Q6_K: return launch_mmq_q6_k(a, nt, mode, tasks, stream);
     case GgmlType::MXFP4: return launch_mmq_mxfp4(a, nt, mode, tasks, stream);
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::IQ4_NL: return launch_mmq_small_blocks(type, a, nt, mode, tasks, stream);
+    case GgmlType::Q5_K:
+    case GgmlType::IQ4_XS: return launch_mmq_q5_k_iq4_xs(type, a, nt, mode, tasks, stream);
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S: return launch_mmq_iq3_iq1(type, a, nt, mode, tasks, stream);
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ1_M: return launch_mmq_iq2_iq1_m(type, a, nt, mode, tasks, stream);
     default: return Status::error("mmq: weight type " + std::string(ggml_type_name(type)) + " not supported");
   }
 }
@@ -28,6 +41,19 @@ int mmq_alignment(GgmlType type) {
     case GgmlType::Q4_K: return MmqType<GgmlType::Q4_K>::kAlign;
     case GgmlType::Q6_K: return MmqType<GgmlType::Q6_K>::kAlign;
     case GgmlType::MXFP4: return MmqType<GgmlType::MXFP4>::kAlign;
+    case GgmlType::Q4_0: return MmqType<GgmlType::Q4_0>::kAlign;
+    case GgmlType::Q4_1: return MmqType<GgmlType::Q4_1>::kAlign;
+    case GgmlType::Q5_0: return MmqType<GgmlType::Q5_0>::kAlign;
+    case GgmlType::Q5_1: return MmqType<GgmlType::Q5_1>::kAlign;
+    case GgmlType::IQ4_NL: return MmqType<GgmlType::IQ4_NL>::kAlign;
+    case GgmlType::Q5_K: return MmqType<GgmlType::Q5_K>::kAlign;
+    case GgmlType::IQ4_XS: return MmqType<GgmlType::IQ4_XS>::kAlign;
+    case GgmlType::IQ3_XXS: return MmqType<GgmlType::IQ3_XXS>::kAlign;
+    case GgmlType::IQ3_S: return MmqType<GgmlType::IQ3_S>::kAlign;
+    case GgmlType::IQ1_S: return MmqType<GgmlType::IQ1_S>::kAlign;
+    case GgmlType::IQ2_XS: return MmqType<GgmlType::IQ2_XS>::kAlign;
+    case GgmlType::IQ2_S: return MmqType<GgmlType::IQ2_S>::kAlign;
+    case GgmlType::IQ1_M: return MmqType<GgmlType::IQ1_M>::kAlign;
     default: return 16;
   }
 }
@@ -44,6 +70,19 @@ bool mma_matmul_supported(GgmlType type) {
     case GgmlType::Q4_K:
     case GgmlType::Q6_K:
     case GgmlType::MXFP4:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::IQ4_NL:
+    case GgmlType::Q5_K:
+    case GgmlType::IQ4_XS:
+    case GgmlType::IQ3_XXS:
+    case GgmlType::IQ3_S:
+    case GgmlType::IQ1_S:
+    case GgmlType::IQ2_XS:
+    case GgmlType::IQ2_S:
+    case GgmlType::IQ1_M:
       return true;
     default:
       return false;

@@ -31,6 +31,12 @@
 //                in with 16-bit-lane multiplies; -d per super-block.
 //   Q6_K         two k16 MMAs per chunk on A = q - 32, the int8 scales of each 16 applied to
 //                their products in f32; d per super-block.
+//   Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q5_K, IQ4_XS, IQ3_XXS, IQ3_S, IQ1_S
+//                A = the int8 levels (IQ1_S: 8g +- 1), scale per 32 and row on
+//                the product, the minimum (Q4_1, Q5_1, Q5_K) times the 32 values' sum
+//                (mmq_chunk32.cuh).
+//   IQ2_XS, IQ2_S, IQ1_M  two k16 MMAs per chunk on the int8 levels, the scales of each 16
+//                (with the row's d folded in) applied to their products in f32.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -85,6 +91,7 @@ struct MmqArgs {
   const float* pair_weight = nullptr;
   float limit = 0.0f;
   float* out = nullptr;              // [output rows][n]
+  quant::IqTables iq{};              // IQ3_XXS, IQ3_S, IQ1_S: set by launch_mmq_type
 };
 
 // ---- per-type geometry ------------------------------------------------------------------
@@ -111,6 +118,19 @@ template <> struct MmqType<GgmlType::Q3_K> : MmqGeometry<256, 110, 2, false> {};
 template <> struct MmqType<GgmlType::Q4_K> : MmqGeometry<256, 144, 4, true> {};
 template <> struct MmqType<GgmlType::Q6_K> : MmqGeometry<256, 210, 2, false> {};
 template <> struct MmqType<GgmlType::MXFP4> : MmqGeometry<32, 17, 1, false> {};
+template <> struct MmqType<GgmlType::Q4_0> : MmqGeometry<32, 18, 2, false> {};
+template <> struct MmqType<GgmlType::Q4_1> : MmqGeometry<32, 20, 4, true> {};
+template <> struct MmqType<GgmlType::Q5_0> : MmqGeometry<32, 22, 2, false> {};
+template <> struct MmqType<GgmlType::Q5_1> : MmqGeometry<32, 24, 4, true> {};
+template <> struct MmqType<GgmlType::IQ4_NL> : MmqGeometry<32, 18, 2, false> {};
+template <> struct MmqType<GgmlType::Q5_K> : MmqGeometry<256, 176, 4, true> {};
+template <> struct MmqType<GgmlType::IQ4_XS> : MmqGeometry<256, 136, 4, false> {};
+template <> struct MmqType<GgmlType::IQ3_XXS> : MmqGeometry<256, 98, 2, false> {};
+template <> struct MmqType<GgmlType::IQ3_S> : MmqGeometry<256, 110, 2, false> {};
+template <> struct MmqType<GgmlType::IQ1_S> : MmqGeometry<256, 50, 2, false> {};
+template <> struct MmqType<GgmlType::IQ2_XS> : MmqGeometry<256, 74, 2, false> {};
+template <> struct MmqType<GgmlType::IQ2_S> : MmqGeometry<256, 82, 2, false> {};
+template <> struct MmqType<GgmlType::IQ1_M> : MmqGeometry<256, 56, 4, false> {};
 
 // Shared memory of one stage and the ring depth for NT column tiles.
 template <GgmlType T, int NT>
@@ -183,11 +203,18 @@ __device__ __forceinline__ float half_to_float(uint32_t bits) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xFFFFu)));
 }
 
+}  // namespace dsv4::cuda::detail
+
+#include "backend/cuda/mmq_chunk32.cuh"
+
+namespace dsv4::cuda::detail {
+
 // The activations of one stage as a warp sees them.
 struct MmqStageView {
   const uint8_t* x;   // [cols][kMmqXStride] int8
   const float* d;     // [cols][8]
   const float* s16;   // [cols][16]
+  quant::IqTables iq;  // the i-quants' codebooks (MmqArgs::iq)
 };
 
 // B fragments of chunk c for column tiles j (and j + 1 with x4): lane i addresses row i % 8 of
@@ -276,6 +303,89 @@ __device__ __forceinline__ void mma_chunk(int (&cc)[NT][4], const uint32_t (&a)[
 
 template <GgmlType T, int NT>
 struct MmqStageProduct;
+
+// The types of mmq_chunk32.cuh: one k32 MMA per chunk, scale per 32 and row on its product,
+// the minimum times the 32 activations' sum.
+template <GgmlType T, int NT>
+struct MmqStageProductChunk32 {
+  __device__ __forceinline__ static void run(const uint8_t* r0, const uint8_t* r1, int chunks, const MmqStageView& v,
+                                             int lane, int live, float (&acc)[NT][4]) {
+    using U = MmqChunk32<T>;
+    const int t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < kMmqStageChunks; ++c) {
+      if (c >= chunks) break;
+      uint32_t a[4];
+      float f0, f1, m0, m1;
+      U::load(r0, c, t, v.iq, a[0], a[2], f0, m0);
+      U::load(r1, c, t, v.iq, a[1], a[3], f1, m1);
+      uint32_t b[NT][2];
+      load_b<NT>(v, c, lane, live, b);
+      int cc[NT][4];
+      mma_chunk<NT>(cc, a, b, live);
+      accumulate_scaled<NT>(acc, cc, v, t, c, live, f0, f1);
+      if constexpr (U::kMins) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          if (j >= live) break;
+          const float2 lo = col_sums(v, j, t, 2 * c), hi = col_sums(v, j, t, 2 * c + 1);
+          const float s_a = lo.x + hi.x, s_b = lo.y + hi.y;
+          acc[j][0] = fmaf(m0, s_a, acc[j][0]);
+          acc[j][1] = fmaf(m0, s_b, acc[j][1]);
+          acc[j][2] = fmaf(m1, s_a, acc[j][2]);
+          acc[j][3] = fmaf(m1, s_b, acc[j][3]);
+        }
+      }
+    }
+  }
+};
+// The types of MmqChunk16: per chunk two k16 MMAs (elements 0..15 and 16..31), each product
+// scaled by its own 16's scale.
+template <GgmlType T, int NT>
+struct MmqStageProductChunk16 {
+  __device__ __forceinline__ static void run(const uint8_t* r0, const uint8_t* r1, int chunks, const MmqStageView& v,
+                                             int lane, int live, float (&acc)[NT][4]) {
+    using U = MmqChunk16<T>;
+    const int t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < kMmqStageChunks; ++c) {
+      if (c >= chunks) break;
+      uint32_t lo0, hi0, lo1, hi1;
+      float sl0, sh0, sl1, sh1;
+      U::load(r0, c, t, v.iq, lo0, hi0, sl0, sh0);
+      U::load(r1, c, t, v.iq, lo1, hi1, sl1, sh1);
+      uint32_t b[NT][2];
+      load_b<NT>(v, c, lane, live, b);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (j >= live) break;
+        int lo[4] = {kMmqBiasBits, kMmqBiasBits, kMmqBiasBits, kMmqBiasBits};
+        int hi[4] = {kMmqBiasBits, kMmqBiasBits, kMmqBiasBits, kMmqBiasBits};
+        mma_k16(lo, lo0, lo1, b[j][0]);
+        mma_k16(hi, hi0, hi1, b[j][1]);
+        const float2 dx = col_scales(v, j, t, c);
+        acc[j][0] = fmaf(fmaf(sl0, mmq_value(lo[0]), sh0 * mmq_value(hi[0])), dx.x, acc[j][0]);
+        acc[j][1] = fmaf(fmaf(sl0, mmq_value(lo[1]), sh0 * mmq_value(hi[1])), dx.y, acc[j][1]);
+        acc[j][2] = fmaf(fmaf(sl1, mmq_value(lo[2]), sh1 * mmq_value(hi[2])), dx.x, acc[j][2]);
+        acc[j][3] = fmaf(fmaf(sl1, mmq_value(lo[3]), sh1 * mmq_value(hi[3])), dx.y, acc[j][3]);
+      }
+    }
+  }
+};
+
+template <int NT> struct MmqStageProduct<GgmlType::Q4_0, NT> : MmqStageProductChunk32<GgmlType::Q4_0, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q4_1, NT> : MmqStageProductChunk32<GgmlType::Q4_1, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q5_0, NT> : MmqStageProductChunk32<GgmlType::Q5_0, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q5_1, NT> : MmqStageProductChunk32<GgmlType::Q5_1, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ4_NL, NT> : MmqStageProductChunk32<GgmlType::IQ4_NL, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::Q5_K, NT> : MmqStageProductChunk32<GgmlType::Q5_K, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ4_XS, NT> : MmqStageProductChunk32<GgmlType::IQ4_XS, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ3_XXS, NT> : MmqStageProductChunk32<GgmlType::IQ3_XXS, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ3_S, NT> : MmqStageProductChunk32<GgmlType::IQ3_S, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ1_S, NT> : MmqStageProductChunk32<GgmlType::IQ1_S, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ2_XS, NT> : MmqStageProductChunk16<GgmlType::IQ2_XS, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ2_S, NT> : MmqStageProductChunk16<GgmlType::IQ2_S, NT> {};
+template <int NT> struct MmqStageProduct<GgmlType::IQ1_M, NT> : MmqStageProductChunk16<GgmlType::IQ1_M, NT> {};
 
 template <int NT>
 struct MmqStageProduct<GgmlType::Q8_0, NT> {
@@ -757,7 +867,7 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(const MmqArgs a) {
     const uint8_t* r0 = stage + row_g * C::kSlotBytes + skew0;
     const uint8_t* r1 = stage + (row_g + 8) * C::kSlotBytes + skew1;
     const MmqStageView view{stage + S::kW, reinterpret_cast<const float*>(stage + S::kW + S::kX),
-                            reinterpret_cast<const float*>(stage + S::kW + S::kX + S::kD)};
+                            reinterpret_cast<const float*>(stage + S::kW + S::kX + S::kD), a.iq};
     const int chunks = static_cast<int>(min(static_cast<int64_t>(kMmqStageK), a.k - int64_t{kMmqStageK} * stage_index) / 32);
     MmqStageProduct<T, NT>::run(r0, r1, chunks, view, lane, live, acc);
   }

@@ -29,6 +29,15 @@ Status launch_mmq_q3_k(const MmqArgs& a, int nt, MmqMode mode, int64_t tasks, cu
 Status launch_mmq_q4_k(const MmqArgs& a, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream);
 Status launch_mmq_q6_k(const MmqArgs& a, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream);
 Status launch_mmq_mxfp4(const MmqArgs& a, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream);
+// Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (mmq_small_blocks.cu); Q5_K, IQ4_XS (mmq_q5_k_iq4_xs.cu);
+// IQ3_XXS, IQ3_S, IQ1_S (mmq_iq3_iq1.cu); IQ2_XS, IQ2_S, IQ1_M (mmq_iq2_iq1_m.cu).
+Status launch_mmq_small_blocks(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t tasks,
+                               cudaStream_t stream);
+Status launch_mmq_q5_k_iq4_xs(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t tasks,
+                              cudaStream_t stream);
+Status launch_mmq_iq3_iq1(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream);
+Status launch_mmq_iq2_iq1_m(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t tasks,
+                            cudaStream_t stream);
 
 template <GgmlType T, int NT, MmqMode M>
 Status launch_mmq_kernel(const MmqArgs& a, int64_t tasks, cudaStream_t stream) {
@@ -75,7 +84,9 @@ Status launch_mmq_kernel(const MmqArgs& a, int64_t tasks, cudaStream_t stream) {
 // Dense products take 1, 2, 4 or 8 column tiles; expert tiles 1 (kPlain: one tile is always
 // live) or 8 (kExpertDown, kGateUp).
 template <GgmlType T>
-Status launch_mmq_type(const MmqArgs& a, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream) {
+Status launch_mmq_type(const MmqArgs& args, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream) {
+  MmqArgs a = args;
+  if constexpr (needs_iq_tables(T)) DSV4_TRY(iq_tables(&a.iq));
   if (mode == MmqMode::kPlain) {
     switch (nt) {
       case 1: return launch_mmq_kernel<T, 1, MmqMode::kPlain>(a, tasks, stream);

@@ -16,7 +16,7 @@ namespace {
 using detail::MatvecArgs;
 using detail::MatvecMode;
 
-constexpr int kTileRows = 8;  // tokens per expert tile on the batched path
+constexpr int kTileRows = detail::kExpertTileRows;  // tokens per expert tile on the batched path
 
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 
@@ -130,20 +130,29 @@ Status dispatch(GgmlType type, Args&&... args) {
     case GgmlType::MXFP4: return Op<detail::QuantPolicy<GgmlType::MXFP4>>::run(args...);
     case GgmlType::IQ2_XXS: return Op<detail::QuantPolicy<GgmlType::IQ2_XXS>>::run(args...);
     case GgmlType::BF16: return Op<detail::Bf16Policy>::run(args...);
-    default: return Status::error("moe_experts: weight type " + std::string(ggml_type_name(type)) + " not supported");
+    default:
+      if (detail::is_added_type(type)) return Op<void>::run_added(type, args...);
+      return Status::error("moe_experts: weight type " + std::string(ggml_type_name(type)) + " not supported");
   }
 }
 
+// run_added: the types compiled in matvec_nibble_types.cu / matvec_codebook_types.cu.
 template <class Policy>
 struct GateUpOp {
   static Status run(const MatvecArgs& a, bool decode, int64_t max_tiles, cudaStream_t s) {
     return gate_up<Policy>(a, decode, max_tiles, s);
+  }
+  static Status run_added(GgmlType type, const MatvecArgs& a, bool decode, int64_t max_tiles, cudaStream_t s) {
+    return detail::run_added_types(type, a, detail::MatvecCall{detail::MatvecOp::kGateUp, 1, decode, max_tiles}, s);
   }
 };
 template <class Policy>
 struct DownOp {
   static Status run(const MatvecArgs& a, bool decode, int64_t tasks, cudaStream_t s) {
     return down<Policy>(a, decode, tasks, s);
+  }
+  static Status run_added(GgmlType type, const MatvecArgs& a, bool decode, int64_t tasks, cudaStream_t s) {
+    return detail::run_added_types(type, a, detail::MatvecCall{detail::MatvecOp::kDown, 1, decode, tasks}, s);
   }
 };
 
