@@ -16,7 +16,7 @@
 #
 # Steps (DSV4_GPU_STEPS, default all, in this order; the llama.cpp build runs in the
 # background from the start while the checks run):
-#   tests      test_cuda (every GPU check)
+#   tests      test_cuda (every GPU check; DSV4_GPU_TEST_FILTER: a gtest filter)
 #   memcheck   compute-sanitizer memcheck on a subset (DSV4_GPU_MEMCHECK: a gtest filter)
 #   racecheck  compute-sanitizer racecheck on the shared-memory kernels (DSV4_GPU_RACECHECK)
 #              (DSV4_GPU_CHECKS, as before, picks among these three: "" for none)
@@ -267,7 +267,7 @@ fi
 
 # ---- checks (no timing: they share the machine with the build) ---------------------------
 if has tests; then
-  step test_cuda check:300 "$bin/test_cuda" --gtest_color=no
+  step test_cuda check:300 "$bin/test_cuda" --gtest_color=no --gtest_filter="${DSV4_GPU_TEST_FILTER:-*}"
   grep -aE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$work/test_cuda.log" | head -40
 fi
 if command -v compute-sanitizer >/dev/null; then
@@ -358,9 +358,19 @@ if has flash || has serve || has spec; then
   grep -a "wrote" "$work/synth_flash.log"
   if has flash && [ -f "$flash" ]; then
     step dsv4_flash 300 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" \
+      --parts "${DSV4_GPU_FLASH_PARTS:-prefill,decode,aggregate}" \
       --depths 4096,32768,131072 --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
       --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
+  fi
+  # DSV4_GPU_FLASH_NO_MTP=1: the same decode on the same layers written without the MTP block
+  # (does carrying the MTP block change a trunk step?).
+  if [ "${DSV4_GPU_FLASH_NO_MTP:-0}" = 1 ] && [ -f "$flash" ]; then
+    rm -f "$flash"
+    step synth_nomtp 120 "$bin/dsv4" synth "${flash_flags[@]}" --no-mtp --layers "$layers" --force -o "$flash"
+    step dsv4_nomtp 120 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers-nomtp" \
+      --parts decode,aggregate --depths 4096 --batches 16,64 --batch-depth 4096 --steps 16 --repeats 3
+    grep -a '^TABLE|' "$work/dsv4_nomtp.log" | cut -d'|' -f3-6
   fi
   # MTP speculation's parts at 43 layers: plain step, verify k = 1..4, draft, rollback copies.
   if has spec && [ -f "$flash" ]; then
