@@ -162,10 +162,9 @@ __global__ void __launch_bounds__(kStageThreads) exact_row_kernel(const GemmArgs
   constexpr bool kPlain = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16;
   extern __shared__ __align__(16) uint8_t staged[];
   const int64_t o = blockIdx.x;  // grid.x: as many outputs as a vocabulary-wide head has
-  const int64_t r = blockIdx.y;  // grid.y: the activation row
   float* x = reinterpret_cast<float*>(staged);
   uint8_t* wrow = staged + (a.k * 4 + 15) / 16 * 16;
-  stage_bytes(staged, reinterpret_cast<const uint8_t*>(a.x + r * a.ldx), a.k * 4);
+  stage_bytes(staged, reinterpret_cast<const uint8_t*>(a.x), a.k * 4);
   stage_bytes(wrow, a.w + o * a.row_bytes, a.row_data_bytes);
   __syncthreads();
   if (threadIdx.x >= 32) return;
@@ -182,30 +181,21 @@ __global__ void __launch_bounds__(kStageThreads) exact_row_kernel(const GemmArgs
   if (lane == 0) {
     if constexpr (kPlain)
       for (int64_t c = a.k / 8 * 8; c < a.k; ++c) sum = fmaf(exact::element<T>(wrow, c, a.tables), x[c], sum);
-    a.y[r * a.ldy + o] = sum;
+    a.y[o] = sum;
   }
 }
-
-// Few rows (batched decode: the mHC mixes of 16-64 sequences, [m, 16384] x [16384, 24]) take
-// the staged kernel too, one block per (row, output): the tile kernel's k loop with a barrier
-// per 128 values was 0.58 ms per mix at 16 rows, half of a 16-sequence step (issue 10's
-// profile). The sums are the same per row either way (exact_gemm.h).
-constexpr int64_t kStageMaxRows = 64;
-constexpr int64_t kStageMaxBlocks = 32768;  // beyond, the tile kernel reuses each staged row better
 
 template <GgmlType T>
 Status launch(const GemmArgs& a, int tm, dim3 grid, cudaStream_t stream) {
   const int64_t staged = staged_x_bytes(a.k) + a.row_data_bytes;
-  const bool few_rows = a.m == 1 || (a.m <= kStageMaxRows && a.m * a.n <= kStageMaxBlocks);
-  if (a.tile_count == nullptr && few_rows && staged <= kStageMaxBytes) {
+  if (tm == 1 && a.tile_count == nullptr && a.m == 1 && staged <= kStageMaxBytes) {
     static bool attribute_set = false;  // per instantiation, before any graph capture uses it
     if (!attribute_set) {
       DSV4_CUDA_TRY(cudaFuncSetAttribute(exact_row_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(kStageMaxBytes)));
       attribute_set = true;
     }
-    exact_row_kernel<T><<<dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.m), 1), kStageThreads,
-                          static_cast<size_t>(staged), stream>>>(a);
+    exact_row_kernel<T><<<dim3(static_cast<unsigned>(a.n), 1, 1), kStageThreads, static_cast<size_t>(staged), stream>>>(a);
   } else if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
   else if (tm == 4) exact_gemm_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
   else exact_gemm_kernel<T, kExactTileRows><<<grid, kThreads, 0, stream>>>(a);
