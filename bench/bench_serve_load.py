@@ -13,6 +13,7 @@ installed (the GPU machine).
 """
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -88,7 +89,8 @@ def main():
     ap.add_argument("--json", help="write the measurements here")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
-    port_file = tempfile.mktemp(prefix="dsv4-serve-port-")
+    port_dir = tempfile.mkdtemp(prefix="dsv4-serve-")
+    port_file = os.path.join(port_dir, "port")
     cmd = [args.cli, "serve", "-m", args.model, "--backend", args.backend, "--port", "0", "--port-file", port_file,
            "--ctx", str(args.ctx), "--max-seqs", str(max(clients)), "--max-queue", str(2 * max(clients)),
            "--batch-tokens", str(max(512, max(clients) + args.prompt)), "--cache-entries", "0", "--any-model",
@@ -124,7 +126,7 @@ def main():
             wall = max(r["end"] for r in out) - min(r["sent"] for r in out)
             total = sum(r["completion_tokens"] for r in ok)
             row = {"clients": c, "ttft_ms_p50": statistics.median(ttft) if ttft else None,
-                   "ttft_ms_p90": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
+                   "ttft_ms_p90": ttft[math.ceil(0.9 * len(ttft)) - 1] if ttft else None,  # nearest rank
                    "tpot_ms_p50": statistics.median(tpot) if tpot else None,
                    "tokens_per_s": total / wall, "output_tokens": total, "wall_s": wall,
                    "errors": [r["error"] for r in out if r["error"]],
@@ -150,6 +152,7 @@ def main():
             proc.kill()
         if os.path.exists(port_file):
             os.unlink(port_file)
+        os.rmdir(port_dir)
     bad = [r for r in results["runs"] if r["errors"] or r["short"]]
     sys.exit(1 if bad else 0)
 
