@@ -26,6 +26,12 @@ constexpr double kOneRounding = 2.5e-7;    // a result that may differ by an f32
 constexpr double kMatvecBound = 2e-2;      // Q8 activations (docs/CUDA.md, matvec)
 constexpr double kGemmBound = 1e-2;        // BF16 weights and activations
 constexpr double kMoeQuantizedBound = 3e-2;
+// The integer kernels against the same arithmetic on the host (Q8-rounded activations,
+// quant::dequantize_row weights): f32 accumulation only (measured about 3e-7 per row).
+constexpr double kRoundedBound = 1e-4;
+// The fused routed experts against that arithmetic: also the h that the host rounds to Q8 on
+// the other side of a tie now and then (about 1e-3 per token).
+constexpr double kFusedRoundedBound = 1e-2;
 
 const GgmlType kAllWeightTypes[] = {GgmlType::F32,    GgmlType::F16,    GgmlType::BF16,    GgmlType::Q8_0,
                                     GgmlType::MXFP4,  GgmlType::Q2_K,   GgmlType::Q3_K,    GgmlType::Q4_K,
@@ -283,6 +289,11 @@ TEST_F(CudaMatmul, ExactIsBatchInvariant) {
   }
 }
 
+// Rows of the Q8 paths are checked against the same arithmetic on the host, the product as a
+// whole against the exact one: per row the exact comparison is ill-conditioned where a row's
+// product cancels (Q4_1 / Q5_1 test weights have positive minimums, so every output carries a
+// large multiple of the row's sum): Q5_1's 17 rows of [44, 960] measured 2.6e-2 on the H200
+// in one row, exactly what the host's Q8 arithmetic gives there (0.6e-2 over all rows).
 TEST_F(CudaMatmul, QuantizedAgainstExactReference) {
   for (GgmlType type : kAllWeightTypes) {
     const bool fast = matvec_supported(type);
@@ -292,22 +303,35 @@ TEST_F(CudaMatmul, QuantizedAgainstExactReference) {
       const uint64_t seed = seed_for(500 + static_cast<uint64_t>(type) * 100 + m);
       std::mt19937_64 rng(seed);
       const int64_t n = 45;
-      // 17-64 rows of the tensor-core types take the int8 kernels (Q8 activations, the
-      // matvec bound); other types and more rows the BF16 GEMM.
-      const bool gemm = m > kMatvecMaxRows && !(m <= cuda::kMmaMaxRows && cuda::mma_matmul_applies(
-                                                    cuda::MatvecWeights{type, nullptr, n, k, 1, 0}, static_cast<int>(m)));
-      const double bound = !fast ? kExactBound : gemm ? kGemmBound : type == GgmlType::BF16 ? kExactBound : kMatvecBound;
-      const std::string what = "matmul quantized " + type_name(type) + " w " + shape_text(n, k) + " x " +
-                               shape_text(m, k) + (fast ? (gemm ? " (gemm)" : " (matvec)") : " (exact path)") +
-                               " seed " + std::to_string(seed);
       Product p = setup(type, n, k, m, rng);
       // A weight slice that starts off the 16-byte grid (the grouped projection's slices).
       p.w = p.w.slice(1, n - 1);
       p.y = p.y.columns(0, n - 1);
+      // 17-64 rows of the tensor-core types take the int8 kernels (Q8 activations, the
+      // matvec bound) where the slice's alignment lets them (CudaBackend::matmul); other
+      // types and more rows the BF16 GEMM.
+      const bool gemm = m > kMatvecMaxRows &&
+                        !(m <= cuda::kMmaMaxRows &&
+                          cuda::mma_matmul_applies(cuda::MatvecWeights{type, p.w.gpu.data, n - 1, k, 1, 0},
+                                                   static_cast<int>(m)));
+      const bool q8 = fast && !gemm && type != GgmlType::BF16;
+      const double bound = !fast ? kExactBound : gemm ? kGemmBound : type == GgmlType::BF16 ? kExactBound : kMatvecBound;
+      const std::string what = "matmul quantized " + type_name(type) + " w " + shape_text(n - 1, k) + " x " +
+                               shape_text(m, k) + (fast ? (gemm ? " (gemm)" : " (matvec)") : " (exact path)") +
+                               " seed " + std::to_string(seed);
       const auto want = reference(p);
       ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, MatmulMode::Quantized).is_ok()) << what;
       const auto got = fetch<float>(*gpu_, p.y.gpu);
-      expect_rows_close(got, want, m, n - 1, bound, what);
+      if (!q8) {
+        expect_rows_close(got, want, m, n - 1, bound, what);
+      } else {
+        const Both xr = f32({m, k}, q8_round_trip(fetch<float>(*cpu_, p.x.cpu)));
+        const Both yr = f32({m, n - 1}, std::vector<float>(m * (n - 1), NAN));
+        ASSERT_TRUE(cpu_->matmul(p.w.cpu, xr.cpu, yr.cpu, MatmulMode::Exact).is_ok());
+        expect_rows_close(got, fetch<float>(*cpu_, yr.cpu), m, n - 1, kRoundedBound, what + " vs Q8-rounded x");
+        const std::vector<double> exact(want.begin(), want.end());
+        EXPECT_LT(relative_error(got, exact), bound) << what << ": all rows against the exact product";
+      }
       gpu_->begin_step();
       cpu_->begin_step();
     }
@@ -532,14 +556,57 @@ class CudaExperts : public CudaBackendOps, public ::testing::WithParamInterface<
     const ExpertCase c = GetParam();
     auto g = random_weights(c.gate_up, experts * inter, d, rng);
     const auto gf = dequantize(c.gate_up, g.data(), 4, d);
+    gate_f_ = dequantize(c.gate_up, g.data(), experts * inter, d);
     gate_ = weight(c.gate_up, dims({experts, inter, d}), std::move(g));
-    up_ = weight(c.gate_up, dims({experts, inter, d}), random_weights(c.gate_up, experts * inter, d, rng));
-    down_ = weight(c.down, dims({experts, d, inter}), random_weights(c.down, experts * d, inter, rng));
+    auto u = random_weights(c.gate_up, experts * inter, d, rng);
+    up_f_ = dequantize(c.gate_up, u.data(), experts * inter, d);
+    up_ = weight(c.gate_up, dims({experts, inter, d}), std::move(u));
+    auto dn = random_weights(c.down, experts * d, inter, rng);
+    down_f_ = dequantize(c.down, dn.data(), experts * d, inter);
+    down_ = weight(c.down, dims({experts, d, inter}), std::move(dn));
+    d_ = d;
+    inter_ = inter;
     double ss = 0;
     for (float v : gf) ss += static_cast<double>(v) * v;
     x_scale_ = static_cast<float>(8.0 / std::sqrt(ss / 4));  // |g| ~ 8 for unit activations
   }
+  // What the fused quantised kernels compute (moe_experts.h), in double from the dequantised
+  // weights: Q8-rounded x into gate and up, the clamped SwiGLU times the routing weight,
+  // Q8-rounded h into down, the slots summed in order (BF16 weights take f32 activations).
+  std::vector<float> fused_reference(const std::vector<float>& x, const std::vector<int32_t>& ids,
+                                     const std::vector<float>& wt, int64_t n, int k, float limit) const {
+    const ExpertCase c = GetParam();
+    const std::vector<float> xq = c.gate_up == GgmlType::BF16 ? x : q8_round_trip(x);
+    std::vector<float> y(static_cast<size_t>(n * d_), 0.0f);
+    std::vector<float> h(static_cast<size_t>(inter_));
+    for (int64_t t = 0; t < n; ++t) {
+      std::vector<double> acc(static_cast<size_t>(d_), 0.0);
+      for (int s = 0; s < k; ++s) {
+        const int64_t e = ids[t * k + s];
+        for (int64_t i = 0; i < inter_; ++i) {
+          double g = 0, u = 0;
+          for (int64_t j = 0; j < d_; ++j) {
+            g += static_cast<double>(gate_f_[(e * inter_ + i) * d_ + j]) * xq[t * d_ + j];
+            u += static_cast<double>(up_f_[(e * inter_ + i) * d_ + j]) * xq[t * d_ + j];
+          }
+          g = std::min<double>(g, limit);
+          u = std::clamp<double>(u, -limit, limit);
+          h[i] = static_cast<float>(wt[t * k + s] * (g / (1.0 + std::exp(-g))) * u);
+        }
+        const std::vector<float> hq = c.down == GgmlType::BF16 ? h : q8_round_trip(h);
+        for (int64_t i = 0; i < d_; ++i) {
+          double v = 0;
+          for (int64_t j = 0; j < inter_; ++j) v += static_cast<double>(down_f_[(e * d_ + i) * inter_ + j]) * hq[j];
+          acc[i] += v;
+        }
+      }
+      for (int64_t i = 0; i < d_; ++i) y[t * d_ + i] = static_cast<float>(acc[i]);
+    }
+    return y;
+  }
   Both gate_, up_, down_;
+  std::vector<float> gate_f_, up_f_, down_f_;
+  int64_t d_ = 0, inter_ = 0;
   float x_scale_ = 1.0f;
 };
 
@@ -574,7 +641,21 @@ TEST_P(CudaExperts, RoutedAndSharedBothModes) {
         got[i] -= y0[i];
         want[i] -= y0[i];
       }
-      expect_rows_close(got, want, n, d, exact ? 2 * kExactBound : kMoeQuantizedBound, what);
+      // The fused quantised kernels (cuda_moe.cu's condition): per token against their own
+      // arithmetic on the host, all tokens together against the exact product. Per token the
+      // exact comparison is ill-conditioned where the output cancels (Q4_K / Q5_K test weights
+      // have a large positive mean): q4_K/q5_K measured 9% in one token of 5 and of 70 on the
+      // H200, which the host's Q8 arithmetic gives there too (0.5-0.6% over all tokens).
+      const bool fused = !exact && matvec_supported(c.gate_up) && matvec_supported(c.down);
+      if (!fused) {
+        expect_rows_close(got, want, n, d, exact ? 2 * kExactBound : kMoeQuantizedBound, what);
+      } else {
+        const auto rounded = fused_reference(fetch<float>(*cpu_, x.cpu), fetch<int32_t>(*cpu_, ex.cpu),
+                                             fetch<float>(*cpu_, wt.cpu), n, k, 10.0f);
+        expect_rows_close(got, rounded, n, d, kFusedRoundedBound, what + " vs Q8-rounded activations");
+        const std::vector<double> exact_sum(want.begin(), want.end());
+        EXPECT_LT(relative_error(got, exact_sum), kMoeQuantizedBound) << what << ": all tokens against the exact product";
+      }
       if (exact && n == 70) {  // batch invariance: a token alone gives the same bits
         for (int64_t t : {0, 41}) {
           const Both y1 = f32({1, d}, std::vector<float>(y0.begin() + t * d, y0.begin() + (t + 1) * d));

@@ -178,11 +178,10 @@ TEST(Mmq, RejectsWhatItCannotTake) {
   EXPECT_FALSE(mma_matmul_applies(w, 4));
 }
 
-// Q5_1 is off the tensor-core path for now (mmq.cu, mma_matmul_supported).
 INSTANTIATE_TEST_SUITE_P(Types, MmqTest,
                          ::testing::Values(GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
                                            GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::Q4_0, GgmlType::Q4_1,
-                                           GgmlType::Q5_0, GgmlType::IQ4_NL, GgmlType::Q5_K,
+                                           GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL, GgmlType::Q5_K,
                                            GgmlType::IQ4_XS, GgmlType::IQ3_XXS, GgmlType::IQ3_S, GgmlType::IQ1_S,
                                            GgmlType::IQ2_XS, GgmlType::IQ2_S, GgmlType::IQ1_M),
                          [](const auto& info) { return type_name(info.param); });

@@ -241,12 +241,8 @@ Status CudaBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tenso
     pair_w = static_cast<const float*>(tmp);
   }
 
-  // Q5_K routed experts stay on the exact path: their fused kernels were wrong on the H200
-  // (2026-12-01, Types/CudaExperts q4_K/q5_K: rows 9% off at 5 and 70 tokens, d 256, inter 512)
-  // while Q5_K's plain products passed; until that is found they are not used.
-  const auto fused_expert_type = [](GgmlType t) { return cuda::matvec_supported(t) && t != GgmlType::Q5_K; };
-  const bool quantized = mode == MatmulMode::Quantized && fused_expert_type(gate.type) &&
-                         fused_expert_type(down.type) && d % 32 == 0 && inter % 32 == 0 &&
+  const bool quantized = mode == MatmulMode::Quantized && cuda::matvec_supported(gate.type) &&
+                         cuda::matvec_supported(down.type) && d % 32 == 0 && inter % 32 == 0 &&
                          d % ggml_traits(gate.type).block_elems == 0 && inter % ggml_traits(down.type).block_elems == 0;
   if (quantized) {
     // The fused kernels overwrite their output: into scratch, then added to y. They read ids

@@ -19,9 +19,7 @@ Status launch_mmq(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t
     case GgmlType::Q4_0:
     case GgmlType::Q4_1:
     case GgmlType::Q5_0:
-    // Not Q5_1: its tensor-core product missed the 2e-2 bound on the H200 (2026-12-01,
-    // CudaMatmul.QuantizedAgainstExactReference: 17 rows of [45, 960], 2.6e-2), so 17-64 rows
-    // of Q5_1 take the BF16 dequantisation + cuBLASLt path until that is found.
+    case GgmlType::Q5_1:
     case GgmlType::IQ4_NL: return launch_mmq_small_blocks(type, a, nt, mode, tasks, stream);
     case GgmlType::Q5_K:
     case GgmlType::IQ4_XS: return launch_mmq_q5_k_iq4_xs(type, a, nt, mode, tasks, stream);
@@ -75,9 +73,7 @@ bool mma_matmul_supported(GgmlType type) {
     case GgmlType::Q4_0:
     case GgmlType::Q4_1:
     case GgmlType::Q5_0:
-    // Not Q5_1: its tensor-core product missed the 2e-2 bound on the H200 (2026-12-01,
-    // CudaMatmul.QuantizedAgainstExactReference: 17 rows of [45, 960], 2.6e-2), so 17-64 rows
-    // of Q5_1 take the BF16 dequantisation + cuBLASLt path until that is found.
+    case GgmlType::Q5_1:
     case GgmlType::IQ4_NL:
     case GgmlType::Q5_K:
     case GgmlType::IQ4_XS:
