@@ -88,13 +88,23 @@ inline std::vector<uint8_t> random_weights(GgmlType type, int64_t rows, int64_t 
       case GgmlType::Q8_0: put_half(at, scale(rng) * 0.01f); break;
       case GgmlType::Q2_K: put_half(at + 80, scale(rng) * 0.01f); put_half(at + 82, scale(rng) * 0.01f); break;
       case GgmlType::Q3_K: put_half(at + 108, scale(rng) * 0.01f); break;
-      case GgmlType::Q4_K: put_half(at, scale(rng) * 0.01f); put_half(at + 2, scale(rng) * 0.01f); break;
-      case GgmlType::Q5_K: put_half(at, scale(rng) * 0.005f); put_half(at + 2, scale(rng) * 0.005f); break;
+      // The types with a minimum get one that centres the block on zero, as a quantiser's min(w)
+      // does for real weights: with positive minimums every weight shared one sign, products
+      // cancelled, and a row's error relative to its small result measured the data, not the
+      // kernel (the H200's Q5_1 and Q4_K/Q5_K failures of 2026-12-02, MoeTest's Q4_1/Q5_1).
+      // K-quants: the 6-bit scales and mins have the same mean, so dmin = d * mean(q).
+      case GgmlType::Q4_K: put_half(at, scale(rng) * 0.01f); put_half(at + 2, scale(rng) * 0.075f); break;
+      case GgmlType::Q5_K: put_half(at, scale(rng) * 0.005f); put_half(at + 2, scale(rng) * 0.0775f); break;
       case GgmlType::Q6_K: put_half(at + 208, scale(rng) * 0.001f); break;
       case GgmlType::IQ2_XXS: put_half(at, scale(rng) * 0.01f); break;
       case GgmlType::MXFP4: w[at] = static_cast<uint8_t>(118 + rng() % 8); break;
       case GgmlType::Q4_1:
-      case GgmlType::Q5_1: put_half(at, scale(rng) * 0.01f); put_half(at + 2, scale(rng) * 0.01f); break;
+      case GgmlType::Q5_1: {  // w = d * q + m, q in [0, 15] or [0, 31]: m = -d * mean(q)
+        const float d = scale(rng) * 0.01f;
+        put_half(at, d);
+        put_half(at + 2, -d * (type == GgmlType::Q4_1 ? 7.5f : 15.5f) * scale(rng));
+        break;
+      }
       case GgmlType::Q4_0:
       case GgmlType::Q5_0:
       case GgmlType::IQ4_NL:

@@ -291,9 +291,10 @@ TEST_F(CudaMatmul, ExactIsBatchInvariant) {
 
 // Rows of the Q8 paths are checked against the same arithmetic on the host, the product as a
 // whole against the exact one: per row the exact comparison is ill-conditioned where a row's
-// product cancels (Q4_1 / Q5_1 test weights have positive minimums, so every output carries a
-// large multiple of the row's sum): Q5_1's 17 rows of [44, 960] measured 2.6e-2 on the H200
-// in one row, exactly what the host's Q8 arithmetic gives there (0.6e-2 over all rows).
+// product cancels: with the positive minimums random_weights gave Q4_1 / Q5_1 until it
+// centred them, every output carried a large multiple of the row's sum, and Q5_1's 17 rows
+// of [45, 960] measured 2.6e-2 on the H200 in one row, exactly what the host's Q8 arithmetic
+// gives there (0.6e-2 over all rows).
 TEST_F(CudaMatmul, QuantizedAgainstExactReference) {
   for (GgmlType type : kAllWeightTypes) {
     const bool fast = matvec_supported(type);

@@ -14,6 +14,7 @@ constexpr int kBK = 128;    // k per shared-memory tile of activations (a multip
 constexpr int kThreads = 32 * kWarps;
 
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct GemmArgs {
   const uint8_t* w = nullptr;
@@ -119,83 +120,183 @@ __global__ void __launch_bounds__(kThreads) exact_gemm_kernel(const GemmArgs a) 
   }
 }
 
-// One activation row (dense decode): the same sums as exact_gemm_kernel<T, 1>, lane l of one
-// warp running a_l's fmaf chain over k = l, l + 32, ... in order. The general kernel's
-// shared-memory tile put a barrier and a round trip to memory on every 128 values of k, which
-// made the hyper-connection mixes ([1, 16384] x [16384, 24]: 24 outputs, three blocks on the
-// whole GPU) a third of a decode step (issue 10's profile). Here one block per output stages
-// its whole weight row and the activations in shared memory with every load in flight (1024
-// threads, 16-byte loads where both sides are aligned), then warp 0 runs the chains from
-// shared memory: one memory latency per output instead of one per 128 values of k.
-constexpr int kStageThreads = 1024;
-constexpr int64_t kStageMaxBytes = 160 * 1024;  // x (k floats) + one weight row
-constexpr int kStageUnroll = 8;                 // 16-byte loads in flight per thread
+// Few activation rows (decode: the hyper-connection mixes, compressors, index projections
+// and routers of 1-64 sequences): the same sums as exact_gemm_kernel, from shared memory. The
+// tile kernel's k loop puts a barrier and a round trip to memory on every 128 values of k, and
+// its grid is ceil(m / 16) x ceil(n / 8) blocks: the mixes ([m, 16384] x [16384, 24]) got three
+// blocks on the whole GPU and were a third of a decode step, 0.58 ms each at 16 rows (issue
+// 10's profiles). Here a block stages `rows` activation rows and the weight rows of its
+// `outputs` outputs in shared memory with every load in flight (16-byte loads where both sides
+// are aligned), then warp w runs output w's chains for every staged row: one memory latency per
+// block instead of one per 128 values of k. `outputs` shrinks until the grid covers the GPU
+// twice (a compressor of 1024 outputs at one row: 3 per block, 342 blocks); one block per output
+// was 49 us for such a compressor, 7 ms of a 43-layer decode step (issue 10's third profile).
+constexpr int64_t kStagePreferBytes = 112 * 1024;  // two blocks per SM
+constexpr int64_t kStageMaxBytes = 160 * 1024;     // one 16384-wide F32 row of x and of w
+constexpr int kStageMaxRows = 8;          // activation rows per block
+constexpr int64_t kStageMaxProductRows = 64;  // beyond (prefill), the tile kernel reuses weights over 16 rows
+constexpr int kStageMaxOutputs = 32;
+constexpr int kStageUnroll = 8;  // 16-byte loads in flight per thread
 
-// Every thread issues kStageUnroll loads before it stores any (a plain copy loop waits for each
-// load before the next: 32 rounds of memory latency for a 16384-wide F32 row).
-__device__ __forceinline__ void stage_bytes(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
-                                            int64_t bytes) {
-  int64_t done = 0;
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
-    const int64_t vectors = bytes / 16;
-    const uint4* in = reinterpret_cast<const uint4*>(src);
-    uint4* out = reinterpret_cast<uint4*>(dst);
-    const int64_t stride = blockDim.x;
-    for (int64_t v0 = threadIdx.x; v0 < vectors; v0 += kStageUnroll * stride) {
-      uint4 r[kStageUnroll];
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u)
-        if (v0 + u * stride < vectors) r[u] = in[v0 + u * stride];
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u)
-        if (v0 + u * stride < vectors) out[v0 + u * stride] = r[u];
-    }
-    done = vectors * 16;
-  }
-  for (int64_t b = done + threadIdx.x; b < bytes; b += blockDim.x) dst[b] = src[b];
+// stage_two copies two sets of rows (`count` rows of `len` bytes, `src_stride` apart, to `dst`,
+// `dst_stride` apart, a multiple of 16: the x rows and the weight rows) as one list of
+// 16-byte vectors: every thread issues kStageUnroll loads before it stores any, so a stage of a
+// few x rows and several weight rows costs about one memory latency (row by row it was one per
+// row; a plain copy loop, one per 32 values of a 16384-wide F32 row).
+struct StageRows {
+  const uint8_t* src;
+  int64_t src_stride, len;
+  uint8_t* dst;
+  int64_t dst_stride;
+  int count;
+};
+
+__device__ __forceinline__ bool vector_rows(const StageRows& s) {
+  return ((reinterpret_cast<uintptr_t>(s.src) | static_cast<uintptr_t>(s.src_stride)) & 15) == 0;
 }
 
-int64_t staged_x_bytes(int64_t k) { return (k * 4 + 15) / 16 * 16; }
+// What the vectors leave: unaligned rows whole, aligned rows' last len % 16 bytes.
+__device__ void stage_tail(const StageRows& s) {
+  const int64_t from = vector_rows(s) ? s.len / 16 * 16 : 0, tail = s.len - from;
+  for (int64_t e = threadIdx.x; e < tail * s.count; e += blockDim.x) {
+    const int64_t row = e / tail, at = from + e - row * tail;
+    s.dst[row * s.dst_stride + at] = s.src[row * s.src_stride + at];
+  }
+}
+
+__device__ void stage_two(const StageRows& a, const StageRows& b) {
+  const int av = vector_rows(a) ? static_cast<int>(a.len / 16) : 0;
+  const int bv = vector_rows(b) ? static_cast<int>(b.len / 16) : 0;
+  const int a_total = av * a.count, total = a_total + bv * b.count;
+  const int stride = static_cast<int>(blockDim.x);
+  for (int v0 = static_cast<int>(threadIdx.x); v0 < total; v0 += kStageUnroll * stride) {
+    uint4 r[kStageUnroll];
+    uint4* to[kStageUnroll];
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int v = v0 + u * stride;
+      to[u] = nullptr;
+      if (v < total) {
+        const StageRows& s = v < a_total ? a : b;
+        const int per_row = v < a_total ? av : bv, w = v < a_total ? v : v - a_total;
+        const int row = w / per_row, col = w - row * per_row;
+        r[u] = *reinterpret_cast<const uint4*>(s.src + row * s.src_stride + 16 * col);
+        to[u] = reinterpret_cast<uint4*>(s.dst + row * s.dst_stride + 16 * col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u)
+      if (to[u] != nullptr) *to[u] = r[u];
+  }
+  stage_tail(a);
+  stage_tail(b);
+}
+
+int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// How a staged launch splits the product: rows x outputs per block, its threads and bytes.
+struct StagePlan {
+  int rows = 0;  // 0: the product does not fit; the tile kernel runs it
+  int outputs = 0;
+  int threads = 0;
+  int64_t smem = 0;
+  int64_t x_bytes = 0, w_bytes = 0;  // per staged row
+};
+
+int multiprocessors() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+      return 132;
+    return sms;
+  }();
+  return count;
+}
+
+StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes) {
+  StagePlan p;
+  p.x_bytes = align16(k * 4);
+  p.w_bytes = align16(row_data_bytes);
+  if (m < 1 || m > kStageMaxProductRows || p.x_bytes + p.w_bytes > kStageMaxBytes) return p;
+  const int64_t budget = p.x_bytes + p.w_bytes <= kStagePreferBytes ? kStagePreferBytes : kStageMaxBytes;
+  const int64_t rows = std::clamp<int64_t>((budget - p.w_bytes) / p.x_bytes, 1, std::min<int64_t>(m, kStageMaxRows));
+  const int64_t groups = ceil_div(m, rows);
+  int64_t outputs = std::clamp<int64_t>((budget - rows * p.x_bytes) / p.w_bytes, 1, kStageMaxOutputs);
+  outputs = std::min(outputs, std::max<int64_t>(1, n * groups / (2 * multiprocessors())));
+  outputs = std::min(outputs, n);
+  p.rows = static_cast<int>(rows);
+  p.outputs = static_cast<int>(outputs);
+  p.smem = rows * p.x_bytes + outputs * p.w_bytes;
+  // Enough threads to have the whole stage in flight at once (kStageUnroll x 16 bytes each).
+  p.threads = static_cast<int>(std::clamp<int64_t>(ceil_div(p.smem, 16 * kStageUnroll) / 32 * 32, 256, 1024));
+  p.threads = std::max(p.threads, 32 * p.outputs);
+  return p;
+}
 
 template <GgmlType T>
-__global__ void __launch_bounds__(kStageThreads) exact_row_kernel(const GemmArgs a) {
+__global__ void __launch_bounds__(1024) exact_staged_kernel(const GemmArgs a, const int rows, const int outputs,
+                                                            const int64_t x_bytes, const int64_t w_bytes) {
   constexpr bool kPlain = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16;
   extern __shared__ __align__(16) uint8_t staged[];
-  const int64_t o = blockIdx.x;  // grid.x: as many outputs as a vocabulary-wide head has
-  float* x = reinterpret_cast<float*>(staged);
-  uint8_t* wrow = staged + (a.k * 4 + 15) / 16 * 16;
-  stage_bytes(staged, reinterpret_cast<const uint8_t*>(a.x), a.k * 4);
-  stage_bytes(wrow, a.w + o * a.row_bytes, a.row_data_bytes);
+  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * outputs;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows;
+  const int n_out = static_cast<int>(min(static_cast<int64_t>(outputs), a.n - o0));
+  const int n_rows = static_cast<int>(min(static_cast<int64_t>(rows), a.m - r0));
+  uint8_t* wstage = staged + rows * x_bytes;
+  stage_two(StageRows{reinterpret_cast<const uint8_t*>(a.x + r0 * a.ldx), a.ldx * 4, a.k * 4, staged, x_bytes, n_rows},
+            StageRows{a.w + o0 * a.row_bytes, a.row_bytes, a.row_data_bytes, wstage, w_bytes, n_out});
   __syncthreads();
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp >= n_out) return;
+  const uint8_t* wrow = wstage + warp * w_bytes;
   const int64_t k32 = a.k / 32 * 32;
-  float acc = 0.0f;
-#pragma unroll 8
-  for (int64_t i = lane; i < k32; i += 32) acc = fmaf(exact::element<T>(wrow, i, a.tables), x[i], acc);
-  if constexpr (kPlain) {  // dot_plain: 8-wide chunks past the last 32 into a_0..a_7
-    for (int64_t c = k32; c + 8 <= a.k; c += 8)
-      if (lane < 8) acc = fmaf(exact::element<T>(wrow, c + lane, a.tables), x[c + lane], acc);
+  float acc[kStageMaxRows];
+#pragma unroll
+  for (int r = 0; r < kStageMaxRows; ++r) acc[r] = 0.0f;
+#pragma unroll 4
+  for (int64_t i = lane; i < k32; i += 32) {
+    const float wv = exact::element<T>(wrow, i, a.tables);
+#pragma unroll
+    for (int r = 0; r < kStageMaxRows; ++r)
+      if (r < n_rows) acc[r] = fmaf(wv, reinterpret_cast<const float*>(staged + r * x_bytes)[i], acc[r]);
   }
-  float sum = cpu_order_sum(acc);
-  if (lane == 0) {
-    if constexpr (kPlain)
-      for (int64_t c = a.k / 8 * 8; c < a.k; ++c) sum = fmaf(exact::element<T>(wrow, c, a.tables), x[c], sum);
-    a.y[o] = sum;
+  if constexpr (kPlain) {  // dot_plain: 8-wide chunks past the last 32 into a_0..a_7
+    for (int64_t c = k32; c + 8 <= a.k; c += 8) {
+      if (lane < 8) {
+        const float wv = exact::element<T>(wrow, c + lane, a.tables);
+#pragma unroll
+        for (int r = 0; r < kStageMaxRows; ++r)
+          if (r < n_rows) acc[r] = fmaf(wv, reinterpret_cast<const float*>(staged + r * x_bytes)[c + lane], acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kStageMaxRows; ++r) {
+    if (r >= n_rows) break;  // uniform over the warp
+    const float* x = reinterpret_cast<const float*>(staged + r * x_bytes);
+    float sum = cpu_order_sum(acc[r]);
+    if (lane == 0) {
+      if constexpr (kPlain)
+        for (int64_t c = a.k / 8 * 8; c < a.k; ++c) sum = fmaf(exact::element<T>(wrow, c, a.tables), x[c], sum);
+      a.y[(r0 + r) * a.ldy + o0 + warp] = sum;
+    }
   }
 }
 
 template <GgmlType T>
 Status launch(const GemmArgs& a, int tm, dim3 grid, cudaStream_t stream) {
-  const int64_t staged = staged_x_bytes(a.k) + a.row_data_bytes;
-  if (tm == 1 && a.tile_count == nullptr && a.m == 1 && staged <= kStageMaxBytes) {
+  const StagePlan plan = a.tile_count == nullptr ? stage_plan(a.m, a.n, a.k, a.row_data_bytes) : StagePlan{};
+  if (plan.rows > 0) {
     static bool attribute_set = false;  // per instantiation, before any graph capture uses it
     if (!attribute_set) {
-      DSV4_CUDA_TRY(cudaFuncSetAttribute(exact_row_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      DSV4_CUDA_TRY(cudaFuncSetAttribute(exact_staged_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(kStageMaxBytes)));
       attribute_set = true;
     }
-    exact_row_kernel<T><<<dim3(static_cast<unsigned>(a.n), 1, 1), kStageThreads, static_cast<size_t>(staged), stream>>>(a);
+    const dim3 blocks(static_cast<unsigned>(ceil_div(a.n, plan.outputs)), static_cast<unsigned>(ceil_div(a.m, plan.rows)), 1);
+    exact_staged_kernel<T><<<blocks, plan.threads, static_cast<size_t>(plan.smem), stream>>>(
+        a, plan.rows, plan.outputs, plan.x_bytes, plan.w_bytes);
   } else if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
   else if (tm == 4) exact_gemm_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
   else exact_gemm_kernel<T, kExactTileRows><<<grid, kThreads, 0, stream>>>(a);
@@ -234,8 +335,6 @@ Status check(const ExactWeights& w, const char* op) {
     return Status::error(std::string(op) + ": " + std::string(t.name) + " without its device codebooks");
   return Status::ok();
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 __global__ void build_tiles_kernel(const int32_t* __restrict__ ids, int pairs, int n_experts, int tile_rows,
                                    int* __restrict__ sorted_pairs, int* __restrict__ tile_expert,
