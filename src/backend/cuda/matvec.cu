@@ -64,20 +64,6 @@ Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launche
   return Status::ok();
 }
 
-// The row kernel for the types that have one (launched = false: the general kernel runs).
-Status launch_one_row(GgmlType type, const MatvecArgs& a, const KernelChoice& choice, cudaStream_t stream,
-                      bool& launched) {
-  launched = false;
-  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, stream, launched);
-  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, stream, launched);
-  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, stream, launched);
-  if (!choice.matvec_row_extra) return Status::ok();
-  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, stream, launched);
-  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, stream, launched);
-  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, stream, launched);
-  return Status::ok();
-}
-
 }  // namespace
 
 namespace {
@@ -272,14 +258,6 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
     return launch_rows<detail::Bf16Policy>(a, rows, stream);
   }
   if (mma) return mma_matmul(w, x, rows, y, workspace, workspace_bytes, stream);
-  // One row: the row kernel quantises its own activations from x when it applies.
-  if (rows == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-    a.act.f = x;
-    bool launched = false;
-    DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
-    if (launched) return Status::ok();
-    a.act.f = nullptr;
-  }
   const QuantizedActivations q =
       quantized_activations_view(workspace, w.batch * rows, w.k, detail::activation_layout(w.type, w.k));
   DSV4_TRY(quantize_activations_q8(x, q, stream));
@@ -291,7 +269,14 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act.lanes = q.layout.lanes;
   if (rows == 1) {
     bool launched = false;
-    DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
+    if (w.type == GgmlType::Q8_0) DSV4_TRY(launch_row_kernel<GgmlType::Q8_0>(a, stream, launched));
+    if (w.type == GgmlType::Q2_K) DSV4_TRY(launch_row_kernel<GgmlType::Q2_K>(a, stream, launched));
+    if (w.type == GgmlType::Q3_K) DSV4_TRY(launch_row_kernel<GgmlType::Q3_K>(a, stream, launched));
+    if (choice.matvec_row_extra) {
+      if (w.type == GgmlType::MXFP4) DSV4_TRY(launch_row_kernel<GgmlType::MXFP4>(a, stream, launched));
+      if (w.type == GgmlType::Q4_K) DSV4_TRY(launch_row_kernel<GgmlType::Q4_K>(a, stream, launched));
+      if (w.type == GgmlType::Q6_K) DSV4_TRY(launch_row_kernel<GgmlType::Q6_K>(a, stream, launched));
+    }
     if (launched) return Status::ok();
   }
   switch (w.type) {

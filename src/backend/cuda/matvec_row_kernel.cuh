@@ -21,7 +21,6 @@
 #pragma once
 
 #include "backend/cuda/matvec_kernel.cuh"
-#include "backend/cuda/q8_block.cuh"
 
 namespace dsv4::cuda::detail {
 
@@ -392,41 +391,7 @@ __device__ __forceinline__ void load_row_activations(const ActView& act, int64_t
   }
 }
 
-// The same registers from the f32 row `x` (16-byte aligned, whole units): the lane quantises
-// its own units with q8_block.cuh's functions, so the bits are those quantize_activations_q8
-// would have stored, and a one-row product needs no quantisation launch of its own (one launch
-// of ~3 us per matrix product, 15 per decode layer: issue 10's profiles).
-template <GgmlType T, int S>
-__device__ __forceinline__ void quantize_row_activations(const float* x, int L, int slot, int units,
-                                                         typename RowUnit<T>::Act (&out)[S]) {
-  using U = RowUnit<T>;
-#pragma unroll
-  for (int t = 0; t < S; ++t) {
-    const int unit = t * L + slot;
-    if (unit >= units) continue;
-#pragma unroll
-    for (int j = 0; j < U::kSub; ++j) {
-      const float4* src = reinterpret_cast<const float4*>(x + (static_cast<int64_t>(unit) * U::kSub + j) * 32);
-      float v[32];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float4 f = __ldg(src + i);
-        v[4 * i] = f.x;
-        v[4 * i + 1] = f.y;
-        v[4 * i + 2] = f.z;
-        v[4 * i + 3] = f.w;
-      }
-      uint32_t q[8];
-      q8_quantize_thread(v, q, out[t].d[j]);
-      out[t].q[2 * j] = make_int4(static_cast<int>(q[0]), static_cast<int>(q[1]), static_cast<int>(q[2]), static_cast<int>(q[3]));
-      out[t].q[2 * j + 1] = make_int4(static_cast<int>(q[4]), static_cast<int>(q[5]), static_cast<int>(q[6]), static_cast<int>(q[7]));
-    }
-    U::prepare(out[t]);
-  }
-}
-
-// kPlain with one activation row per matrix (quantised, or f32 when act.q is null: see
-// quantize_row_activations); S >= the units per lane (units_per_row / L, rounded up).
+// kPlain with one activation row per matrix; S >= the units per lane (units_per_row / L, rounded up).
 template <GgmlType T, int S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const MatvecArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -456,8 +421,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
     int64_t task, r0;
     split_group(a, g, task, r0);
     if (task != loaded_task) {
-      if (a.act.q == nullptr) quantize_row_activations<T, S>(a.act.f + task * a.act.k, L, slot, a.units_per_row, x);
-      else load_row_activations<T, S>(a.act, task, slot, a.units_per_row, x);
+      load_row_activations<T, S>(a.act, task, slot, a.units_per_row, x);
       loaded_task = task;
     }
     cp_async_wait<kStages - 1>();
