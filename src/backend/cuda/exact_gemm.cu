@@ -214,13 +214,18 @@ int multiprocessors() {
   return count;
 }
 
-StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes) {
+// rows: a power of two up to kStageMaxRows (multi_row: the kernel has those instantiations),
+// its x rows at most half the block's bytes (the rest for weight rows: each staged x row is
+// read again by every block of outputs, each weight row by every block of rows); outputs: what
+// the rest holds, fewer while the grid would cover the GPU less than twice.
+StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes, bool multi_row) {
   StagePlan p;
   p.x_bytes = align16(k * 4);
   p.w_bytes = align16(row_data_bytes);
   if (m < 1 || m > kStageMaxProductRows || p.x_bytes + p.w_bytes > kStageMaxBytes) return p;
   const int64_t budget = p.x_bytes + p.w_bytes <= kStagePreferBytes ? kStagePreferBytes : kStageMaxBytes;
-  const int64_t rows = std::clamp<int64_t>((budget - p.w_bytes) / p.x_bytes, 1, std::min<int64_t>(m, kStageMaxRows));
+  int64_t rows = 1;
+  while (multi_row && 2 * rows <= std::min<int64_t>(m, kStageMaxRows) && 2 * rows * p.x_bytes <= budget / 2) rows *= 2;
   const int64_t groups = ceil_div(m, rows);
   int64_t outputs = std::clamp<int64_t>((budget - rows * p.x_bytes) / p.w_bytes, 1, kStageMaxOutputs);
   outputs = std::min(outputs, std::max<int64_t>(1, n * groups / (2 * multiprocessors())));
@@ -234,9 +239,10 @@ StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes) {
   return p;
 }
 
-template <GgmlType T>
-__global__ void __launch_bounds__(1024) exact_staged_kernel(const GemmArgs a, const int rows, const int outputs,
-                                                            const int64_t x_bytes, const int64_t w_bytes) {
+template <GgmlType T, int R>
+__global__ void __launch_bounds__(1024) exact_staged_kernel(const GemmArgs a, const int outputs, const int64_t x_bytes,
+                                                            const int64_t w_bytes) {
+  constexpr int rows = R;  // per block; the last block of rows may have fewer
   constexpr bool kPlain = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16;
   extern __shared__ __align__(16) uint8_t staged[];
   const int64_t o0 = static_cast<int64_t>(blockIdx.x) * outputs;
@@ -251,30 +257,34 @@ __global__ void __launch_bounds__(1024) exact_staged_kernel(const GemmArgs a, co
   if (warp >= n_out) return;
   const uint8_t* wrow = wstage + warp * w_bytes;
   const int64_t k32 = a.k / 32 * 32;
-  float acc[kStageMaxRows];
+  // R is a template parameter so that the one-row loop is as tight as a plain dot product (a
+  // runtime row count cost the one-row mixes 2.4x on the H200). Rows past n_rows read staged
+  // values of the block's last row and are never written.
+  const float* xs[R];
 #pragma unroll
-  for (int r = 0; r < kStageMaxRows; ++r) acc[r] = 0.0f;
-#pragma unroll 4
+  for (int r = 0; r < R; ++r) xs[r] = reinterpret_cast<const float*>(staged + (r < n_rows ? r : n_rows - 1) * x_bytes);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+#pragma unroll 8
   for (int64_t i = lane; i < k32; i += 32) {
     const float wv = exact::element<T>(wrow, i, a.tables);
 #pragma unroll
-    for (int r = 0; r < kStageMaxRows; ++r)
-      if (r < n_rows) acc[r] = fmaf(wv, reinterpret_cast<const float*>(staged + r * x_bytes)[i], acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = fmaf(wv, xs[r][i], acc[r]);
   }
   if constexpr (kPlain) {  // dot_plain: 8-wide chunks past the last 32 into a_0..a_7
     for (int64_t c = k32; c + 8 <= a.k; c += 8) {
       if (lane < 8) {
         const float wv = exact::element<T>(wrow, c + lane, a.tables);
 #pragma unroll
-        for (int r = 0; r < kStageMaxRows; ++r)
-          if (r < n_rows) acc[r] = fmaf(wv, reinterpret_cast<const float*>(staged + r * x_bytes)[c + lane], acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(wv, xs[r][c + lane], acc[r]);
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < kStageMaxRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     if (r >= n_rows) break;  // uniform over the warp
-    const float* x = reinterpret_cast<const float*>(staged + r * x_bytes);
+    const float* x = xs[r];
     float sum = cpu_order_sum(acc[r]);
     if (lane == 0) {
       if constexpr (kPlain)
@@ -284,19 +294,37 @@ __global__ void __launch_bounds__(1024) exact_staged_kernel(const GemmArgs a, co
   }
 }
 
+// The types decode products use with several rows (hyper-connection mixes, routers, the
+// recipes' compressors) get 2, 4 and 8 rows per block; the others one (a block per row).
+template <GgmlType T>
+constexpr bool kMultiRow = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16 || T == GgmlType::Q8_0;
+
+template <GgmlType T, int R>
+Status launch_staged(const GemmArgs& a, const StagePlan& plan, cudaStream_t stream) {
+  static bool attribute_set = false;  // per instantiation, before any graph capture uses it
+  if (!attribute_set) {
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(exact_staged_kernel<T, R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kStageMaxBytes)));
+    attribute_set = true;
+  }
+  const dim3 blocks(static_cast<unsigned>(ceil_div(a.n, plan.outputs)), static_cast<unsigned>(ceil_div(a.m, R)), 1);
+  exact_staged_kernel<T, R><<<blocks, plan.threads, static_cast<size_t>(plan.smem), stream>>>(a, plan.outputs,
+                                                                                            plan.x_bytes, plan.w_bytes);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
 template <GgmlType T>
 Status launch(const GemmArgs& a, int tm, dim3 grid, cudaStream_t stream) {
-  const StagePlan plan = a.tile_count == nullptr ? stage_plan(a.m, a.n, a.k, a.row_data_bytes) : StagePlan{};
+  const StagePlan plan =
+      a.tile_count == nullptr ? stage_plan(a.m, a.n, a.k, a.row_data_bytes, kMultiRow<T>) : StagePlan{};
   if (plan.rows > 0) {
-    static bool attribute_set = false;  // per instantiation, before any graph capture uses it
-    if (!attribute_set) {
-      DSV4_CUDA_TRY(cudaFuncSetAttribute(exact_staged_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kStageMaxBytes)));
-      attribute_set = true;
+    if constexpr (kMultiRow<T>) {
+      if (plan.rows == 8) return launch_staged<T, 8>(a, plan, stream);
+      if (plan.rows == 4) return launch_staged<T, 4>(a, plan, stream);
+      if (plan.rows == 2) return launch_staged<T, 2>(a, plan, stream);
     }
-    const dim3 blocks(static_cast<unsigned>(ceil_div(a.n, plan.outputs)), static_cast<unsigned>(ceil_div(a.m, plan.rows)), 1);
-    exact_staged_kernel<T><<<blocks, plan.threads, static_cast<size_t>(plan.smem), stream>>>(
-        a, plan.rows, plan.outputs, plan.x_bytes, plan.w_bytes);
+    return launch_staged<T, 1>(a, plan, stream);
   } else if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
   else if (tm == 4) exact_gemm_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
   else exact_gemm_kernel<T, kExactTileRows><<<grid, kThreads, 0, stream>>>(a);
