@@ -46,21 +46,42 @@ Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launche
   const int lanes = detail::lanes_per_row(a.act.k, Policy::kUnitWeights);
   const int64_t steps = (units + lanes - 1) / lanes;
   const int64_t tasks = a.n_tasks;
+  // f32 activations (matvec: one row, one matrix): the block quantises them itself.
+  MatvecArgs fused = a;
+  if (a.act.q == nullptr) {
+    if (a.act.f == nullptr || tasks != 1 || Policy::kIq2) return Status::ok();
+    fused.act_smem_bytes = detail::row_quant_smem_bytes(a.act.k, Policy::kUnitWeights, lanes);
+  }
+  const MatvecArgs& b = fused;
   launched = true;
-  if (steps <= 1) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 1>>(a, 1, tasks, stream);
+  if (steps <= 1) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 1>>(b, 1, tasks, stream);
   // Q2_K with two units per lane (k = 8192: one 2688-byte row per 4 KB group): two rows per
   // group for the kernel's paired pass, at no cost in occupancy (registers allow 12 warps per
   // multiprocessor either way). Q3_K's larger rows would lose a third of its warps.
   const int64_t pair_rows = T == GgmlType::Q2_K ? 2 * (32 / lanes) : 1;
   if (steps <= 2)
-    return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 2>>(a, 1, tasks, stream, pair_rows);
+    return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 2>>(b, 1, tasks, stream, pair_rows);
   if constexpr (T == GgmlType::Q8_0 || T == GgmlType::Q4_K) {
-    if (steps <= 4) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 4>>(a, 1, tasks, stream);
+    if (steps <= 4) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 4>>(b, 1, tasks, stream);
   }
   if constexpr (T == GgmlType::Q8_0) {
-    if (steps <= 8) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 8>>(a, 1, tasks, stream);
+    if (steps <= 8) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 8>>(b, 1, tasks, stream);
   }
   launched = false;
+  return Status::ok();
+}
+
+// The row kernel for the types that have one (launched = false: the general kernel runs).
+Status launch_one_row(GgmlType type, const MatvecArgs& a, const KernelChoice& choice, cudaStream_t stream,
+                      bool& launched) {
+  launched = false;
+  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, stream, launched);
+  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, stream, launched);
+  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, stream, launched);
+  if (!choice.matvec_row_extra) return Status::ok();
+  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, stream, launched);
+  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, stream, launched);
+  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, stream, launched);
   return Status::ok();
 }
 
@@ -258,6 +279,14 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
     return launch_rows<detail::Bf16Policy>(a, rows, stream);
   }
   if (mma) return mma_matmul(w, x, rows, y, workspace, workspace_bytes, stream);
+  // One row of one matrix: the row kernel quantises x itself when it applies.
+  if (rows == 1 && w.batch == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    a.act.f = x;
+    bool launched = false;
+    DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
+    if (launched) return Status::ok();
+    a.act.f = nullptr;
+  }
   const QuantizedActivations q =
       quantized_activations_view(workspace, w.batch * rows, w.k, detail::activation_layout(w.type, w.k));
   DSV4_TRY(quantize_activations_q8(x, q, stream));
@@ -269,14 +298,7 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act.lanes = q.layout.lanes;
   if (rows == 1) {
     bool launched = false;
-    if (w.type == GgmlType::Q8_0) DSV4_TRY(launch_row_kernel<GgmlType::Q8_0>(a, stream, launched));
-    if (w.type == GgmlType::Q2_K) DSV4_TRY(launch_row_kernel<GgmlType::Q2_K>(a, stream, launched));
-    if (w.type == GgmlType::Q3_K) DSV4_TRY(launch_row_kernel<GgmlType::Q3_K>(a, stream, launched));
-    if (choice.matvec_row_extra) {
-      if (w.type == GgmlType::MXFP4) DSV4_TRY(launch_row_kernel<GgmlType::MXFP4>(a, stream, launched));
-      if (w.type == GgmlType::Q4_K) DSV4_TRY(launch_row_kernel<GgmlType::Q4_K>(a, stream, launched));
-      if (w.type == GgmlType::Q6_K) DSV4_TRY(launch_row_kernel<GgmlType::Q6_K>(a, stream, launched));
-    }
+    DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
     if (launched) return Status::ok();
   }
   switch (w.type) {

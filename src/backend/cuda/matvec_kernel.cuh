@@ -68,6 +68,9 @@ struct MatvecArgs {
   int top_k = 0;
   float limit = 0.0f;
   float* out = nullptr;
+  // One-row kernel, one task: > 0 when it quantises act.f itself into the last act_smem_bytes
+  // of its shared memory (matvec_row_kernel.cuh) instead of reading act.q.
+  int act_smem_bytes = 0;
   const uint64_t* iq2_grid = nullptr;
   const uint8_t* iq2_signs = nullptr;
   quant::IqTables iq{};  // the other i-quants' codebooks (device memory)

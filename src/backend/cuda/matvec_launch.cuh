@@ -77,13 +77,14 @@ Status launch_matvec_kernel(MatvecArgs a, int sources, int64_t max_tasks, cudaSt
   a.act.subunits_per_row = static_cast<int>(a.act.k / 32);
   int64_t rows = std::max<int64_t>(1, kGroupTargetBytes / (sources * a.row_bytes));
   rows = std::max<int64_t>({rows, 32 / a.lanes_per_row, min_rows});  // a pass of the warp fills every lane
-  const int64_t per_stage = (kMaxSharedBytes - kIq2TableBytes) / (kWarpsPerBlock * kStages);
+  const int64_t per_stage = (kMaxSharedBytes - kIq2TableBytes - a.act_smem_bytes) / (kWarpsPerBlock * kStages);
   rows = std::min({rows, std::max<int64_t>(1, (per_stage / sources - 48) / a.row_bytes), a.n});
   a.rows_per_group = static_cast<int>(rows);
   a.row_blocks = (a.n + rows - 1) / rows;
   a.segment_stride = static_cast<int>((rows * a.row_bytes + 15 + 15) / 16 * 16 + 16);
   a.stage_bytes = sources * a.segment_stride;
-  const int64_t smem = (Policy::kIq2 ? kIq2TableBytes : 0) + int64_t{kWarpsPerBlock} * kStages * a.stage_bytes;
+  const int64_t smem =
+      (Policy::kIq2 ? kIq2TableBytes : 0) + int64_t{kWarpsPerBlock} * kStages * a.stage_bytes + a.act_smem_bytes;
   if (smem > kMaxSharedBytes)
     return Status::error("matvec: rows of " + std::to_string(a.row_bytes) + " bytes x " + std::to_string(sources) +
                          " sources need " + std::to_string(smem) + " bytes of shared memory, limit " +

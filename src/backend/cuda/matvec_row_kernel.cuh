@@ -21,6 +21,7 @@
 #pragma once
 
 #include "backend/cuda/matvec_kernel.cuh"
+#include "backend/cuda/q8_block.cuh"
 
 namespace dsv4::cuda::detail {
 
@@ -391,7 +392,49 @@ __device__ __forceinline__ void load_row_activations(const ActView& act, int64_t
   }
 }
 
-// kPlain with one activation row per matrix; S >= the units per lane (units_per_row / L, rounded up).
+// The block quantises the f32 row x (16-byte aligned, k a multiple of the unit) into shared
+// memory in activation_quant.h's layout (q, then d; no s16: prepare derives the sums), one
+// thread per 32 values with q8_block.cuh's functions, so the bits are those
+// quantize_activations_q8 stores and a one-row product needs no quantisation launch (~3.5 us
+// each, 15 per decode layer: issue 10's profiles). Once per block, not per warp: every warp
+// reading the whole f32 row from L2 doubled the kernel (2026-12-02 run).
+template <int kSub>
+__device__ __forceinline__ void quantize_row_to_shared(const float* __restrict__ x, int64_t k, int lanes, int8_t* q,
+                                                       float* d) {
+  int4* q16 = reinterpret_cast<int4*>(q);
+  for (int b = static_cast<int>(threadIdx.x); b < k / 32; b += static_cast<int>(blockDim.x)) {
+    const float4* src = reinterpret_cast<const float4*>(x + static_cast<int64_t>(b) * 32);
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 f = __ldg(src + i);
+      v[4 * i] = f.x;
+      v[4 * i + 1] = f.y;
+      v[4 * i + 2] = f.z;
+      v[4 * i + 3] = f.w;
+    }
+    uint32_t w[8];
+    float scale;
+    q8_quantize_thread(v, w, scale);
+    const int unit = b / kSub, t = unit / lanes, slot = unit % lanes, part = t * kSub + b % kSub;
+    q16[(2 * part) * lanes + slot] = make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                                               static_cast<int>(w[3]));
+    q16[(2 * part + 1) * lanes + slot] = make_int4(static_cast<int>(w[4]), static_cast<int>(w[5]),
+                                                   static_cast<int>(w[6]), static_cast<int>(w[7]));
+    d[part * lanes + slot] = scale;
+  }
+}
+
+// Shared-memory bytes quantize_row_to_shared needs for a row of k values (units of W over L
+// lanes, padded as activation_quant.h pads rows).
+inline int row_quant_smem_bytes(int64_t k, int unit_weights, int lanes) {
+  const int64_t units = (k + unit_weights - 1) / unit_weights;
+  const int64_t padded = (units + lanes - 1) / lanes * lanes * unit_weights;
+  return static_cast<int>((padded + 15) / 16 * 16 + padded / 32 * 4);
+}
+
+// kPlain with one activation row per matrix (quantised by activation_quant.h, or by the block
+// itself when act_smem_bytes > 0); S >= the units per lane (units_per_row / L, rounded up).
 template <GgmlType T, int S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const MatvecArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -411,6 +454,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
   const int slot = lane & (L - 1);
   const int log2_lanes = __ffs(L) - 1;
   const int rows_per_pass = 32 >> log2_lanes, lane_row = lane >> log2_lanes;
+  // Fused quantisation (one task): the activations in the last act_smem_bytes of smem.
+  int8_t* act_q = reinterpret_cast<int8_t*>(smem + static_cast<int64_t>(kWarpsPerBlock) * kStages * a.stage_bytes);
+  const int64_t padded_k = static_cast<int64_t>((a.units_per_row + L - 1) / L) * L * 32 * U::kSub;
+  float* act_d = reinterpret_cast<float*>(act_q + (padded_k + 15) / 16 * 16);  // row_quant_smem_bytes' layout
+  if (a.act_smem_bytes > 0) {
+    quantize_row_to_shared<U::kSub>(a.act.f, a.act.k, L, act_q, act_d);
+    __syncthreads();
+  }
   typename U::Act x[S];
   int64_t loaded_task = -1;
   for (int64_t it = 0;; ++it) {
@@ -421,7 +472,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
     int64_t task, r0;
     split_group(a, g, task, r0);
     if (task != loaded_task) {
-      load_row_activations<T, S>(a.act, task, slot, a.units_per_row, x);
+      if (a.act_smem_bytes > 0) load_unit_activations<U, S>(act_q, act_d, L, slot, a.units_per_row, x);
+      else load_row_activations<T, S>(a.act, task, slot, a.units_per_row, x);
       loaded_task = task;
     }
     cp_async_wait<kStages - 1>();
