@@ -90,6 +90,12 @@ enum class MatmulMode {
   // official V4.1 reference's fp32 CPU GEMM (shared/fixtures/tiny-v41), whose QAT
   // roundings flip on last-bit differences. Backends without it compute Exact.
   Sequential,
+  // Weights decoded exactly, fp32 activations and products, the sums in any order: the
+  // products the reference computes in fp32 (hyper-connection mixes, compressors, index
+  // projections, routers) in the production mode, so that a backend may take them to a
+  // fp32 GEMM library on many rows (CUDA: cuBLASLt, CUBLAS_COMPUTE_32F, no TF32). The CPU
+  // computes Exact.
+  Float32,
 };
 
 // ---- one step's rows and the cache views the DeepSeek-V4 operations read ---------------

@@ -76,8 +76,8 @@ Status ForwardPass::compress(const LayerPlan& layer, const CompressorWeights& cw
   const int64_t n = rows.n, wide = cw.kv.rows(), width = cw.norm.cols();
   DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, wide}));
   DSV4_ASSIGN_OR_RETURN(Tensor score, f32({n, wide}));
-  DSV4_TRY(be.matmul(cw.kv, x, kv, MatmulMode::Exact));
-  DSV4_TRY(be.matmul(cw.gate, x, score, MatmulMode::Exact));
+  DSV4_TRY(be.matmul(cw.kv, x, kv, fp32_mode()));
+  DSV4_TRY(be.matmul(cw.gate, x, score, fp32_mode()));
   // One pooled row per step row; only the rows that close a block are written (and
   // stored), the others stay zero and are never read.
   DSV4_ASSIGN_OR_RETURN(Tensor pooled, f32({n, width}));
@@ -109,7 +109,7 @@ Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& x, const Tenso
   DSV4_TRY(be.hadamard(q, dk));
   if (opt.qat) DSV4_TRY(be.round_fp4_blocks(q, 32));
   DSV4_ASSIGN_OR_RETURN(Tensor weights, f32({n, heads}));
-  DSV4_TRY(be.matmul(bw.index_proj, x, weights, MatmulMode::Exact));
+  DSV4_TRY(be.matmul(bw.index_proj, x, weights, fp32_mode()));
   DSV4_TRY(be.scale(weights, static_cast<float>(1.0 / std::sqrt(double(dk)) / std::sqrt(double(heads)))));
 
   // Scores for as many keys as the furthest row sees; each row's own count is on the device.

@@ -62,7 +62,7 @@ Result<Tensor> ForwardPass::embed(const Tensor& table, const Step& step) const {
 Result<ForwardPass::HcMix> ForwardPass::hc_pre(const HcSite& site, const Tensor& streams) const {
   const int64_t n = streams.rows(), hc = c.hc_mult;
   DSV4_ASSIGN_OR_RETURN(Tensor mixes, f32({n, static_cast<int64_t>(c.hc_dim())}));
-  DSV4_TRY(be.matmul(site.fn, streams, mixes, backend::MatmulMode::Exact));  // fp32 (§2.3)
+  DSV4_TRY(be.matmul(site.fn, streams, mixes, fp32_mode()));  // fp32 (§2.3)
   HcMix mix;
   DSV4_ASSIGN_OR_RETURN(mix.x, f32({n, static_cast<int64_t>(c.hidden)}));
   DSV4_ASSIGN_OR_RETURN(mix.post, f32({n, hc}));
@@ -137,7 +137,7 @@ Result<Tensor> ForwardPass::head(const HcSite& hc, const Tensor& norm, const Ten
                                  const Tensor& streams) const {
   const int64_t n = streams.rows(), d = c.hidden;
   DSV4_ASSIGN_OR_RETURN(Tensor mixes, f32({n, static_cast<int64_t>(c.hc_mult)}));
-  DSV4_TRY(be.matmul(hc.fn, streams, mixes, backend::MatmulMode::Exact));
+  DSV4_TRY(be.matmul(hc.fn, streams, mixes, fp32_mode()));
   DSV4_ASSIGN_OR_RETURN(Tensor h, f32({n, d}));
   DSV4_TRY(be.hc_head(streams, mixes, hc.scale, hc.base, c.hc_mult, c.hc_eps, c.rms_eps, h));
   DSV4_TRY(be.rms_norm(h, &norm, c.rms_eps, d, h));

@@ -104,6 +104,11 @@ struct ForwardPass {
   backend::MatmulMode v41_mode(backend::MatmulMode m) const {
     return m == backend::MatmulMode::Exact ? backend::MatmulMode::Sequential : m;
   }
+  // The products the reference computes in fp32 (mixes, compressors, index projections,
+  // routers): the CPU's order in the exact mode, any order (a backend's fp32 GEMM) otherwise.
+  backend::MatmulMode fp32_mode() const {
+    return opt.matmul == backend::MatmulMode::Exact ? backend::MatmulMode::Exact : backend::MatmulMode::Float32;
+  }
   // The products the reference always computes in fp32 (routers, mixes, compressors).
   backend::MatmulMode v41_exact() const {
     return opt.matmul == backend::MatmulMode::Exact ? backend::MatmulMode::Sequential : backend::MatmulMode::Exact;

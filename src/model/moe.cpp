@@ -10,7 +10,7 @@ Result<Tensor> ForwardPass::moe(const LayerPlan& layer, const Tensor& x, const S
   const BlockWeights& bw = w.blocks[b];
   const int64_t n = step.rows.n, k = c.experts_used_of(b);  // DSpark stages: their own counts
   DSV4_ASSIGN_OR_RETURN(Tensor logits, f32({n, static_cast<int64_t>(c.experts_of(b))}));
-  const backend::MatmulMode exact = c.is_v41() ? v41_exact() : backend::MatmulMode::Exact;
+  const backend::MatmulMode exact = c.is_v41() ? v41_exact() : fp32_mode();
   const backend::MatmulMode mode = c.is_v41() ? v41_mode(opt.matmul) : opt.matmul;
   DSV4_TRY(be.matmul(bw.gate_inp, x, logits, exact));  // fp32 router
   DSV4_ASSIGN_OR_RETURN(Tensor experts, i32({n, k}));

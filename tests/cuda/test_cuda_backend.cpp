@@ -267,6 +267,32 @@ TEST_F(CudaMatmul, ExactEveryTypeOddShapesStridedViews) {
   }
 }
 
+// Float32 (the production mode's fp32 products): from 65 rows the weights decoded to f32 and
+// cuBLASLt's fp32 GEMM (any summation order: per-row relative L2 within kExactBound of the
+// CPU's exact product), fewer rows the staged exact kernel (the CPU's bits); strided views,
+// every weight type.
+TEST_F(CudaMatmul, Float32ModeManyRowsAgainstExact) {
+  for (GgmlType type : kAllWeightTypes) {
+    const int64_t block = ggml_traits(type).block_elems;
+    const int64_t k = block == 1 ? 2071 : block == 256 ? 2304 : 2272;
+    for (int64_t m : {64, 65, 200}) {
+      const uint64_t seed = seed_for(700 + static_cast<uint64_t>(type) * 100 + m);
+      std::mt19937_64 rng(seed);
+      const int64_t n = 37;
+      const std::string what = "matmul float32 " + type_name(type) + " w " + shape_text(n, k) + " x " +
+                               shape_text(m, k) + " seed " + std::to_string(seed);
+      const Product p = setup(type, n, k, m, rng);
+      const auto want = reference(p);
+      ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, MatmulMode::Float32).is_ok()) << what;
+      const auto got = fetch<float>(*gpu_, p.y.gpu);
+      if (m < 65) expect_identical(got, want, what + " (the staged exact kernel below 65 rows)");
+      expect_rows_close(got, want, m, n, kExactBound, what);
+      gpu_->begin_step();
+      cpu_->begin_step();
+    }
+  }
+}
+
 // The same row alone, among 4 and among 130 gives the same bits (tiles of 1, 4 and 16 rows).
 TEST_F(CudaMatmul, ExactIsBatchInvariant) {
   const uint64_t seed = seed_for(400);

@@ -133,6 +133,13 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t table_rows, int64_
   }
 }
 
+// rows [n][k] of a weight matrix decoded exactly to f32 (out rows k apart).
+template <GgmlType T>
+__global__ void decode_rows_kernel(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, float* __restrict__ out,
+                                   cuda::exact::Tables tables) {
+  DSV4_GRID_STRIDE(idx, n * k) out[idx] = cuda::exact::element<T>(w + (idx / k) * row_bytes, idx % k, tables);
+}
+
 // One block per group of `width` values of a row.
 __global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float eps, int64_t width, int64_t groups,
                                 Mat<float> y) {
@@ -839,6 +846,43 @@ Status matvec_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<flo
   return Status::ok();
 }
 
+// MatmulMode::Float32 on many rows: the weights decoded exactly to f32 (per chunk of output
+// rows; F32 weights in place), then cuBLASLt's fp32 GEMM straight from x into y. A prefill
+// chunk's mixes, compressors and routers took a quarter of it through the exact kernel's
+// tiles (issue 10's prefill profile: 4 ms per Q8_0 compressor at 4096 rows).
+constexpr int64_t kFloat32GemmFromRows = 65;  // fewer: the staged exact kernel (exact_gemm.cu)
+
+Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y) {
+  const int64_t rows = x.rows, n = w.n, k = w.k;
+  const bool in_place = w.type == GgmlType::F32 && w.row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+  const int64_t chunk = in_place ? n : std::min(n, std::max<int64_t>(1, (int64_t{128} << 20) / (k * 4)));
+  float* decoded = nullptr;
+  if (!in_place) {
+    DSV4_ASSIGN_OR_RETURN(void* raw, m.reusable(m.f32_weights, static_cast<size_t>(chunk * k) * sizeof(float)));
+    decoded = static_cast<float*>(raw);
+  }
+  const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs, m.iq_tables};
+  for (int64_t o0 = 0; o0 < n; o0 += chunk) {
+    const int64_t nc = std::min(chunk, n - o0);
+    const uint8_t* src = w.data + o0 * w.row_bytes;
+    const float* wt = reinterpret_cast<const float*>(src);
+    int64_t ldw = w.row_bytes / 4;
+    if (!in_place) {
+      cuda::exact::dispatch(w.type, [&](auto tag) {
+        decode_rows_kernel<decltype(tag)::value>
+            <<<cudaops::grid_for(nc * k), 256, 0, m.stream>>>(src, w.row_bytes, nc, k, decoded, tables);
+        return 0;
+      });
+      DSV4_CUDA_TRY_LAUNCH();
+      wt = decoded;
+      ldw = k;
+    }
+    DSV4_TRY(cuda::gemm_f32(m.cublas_lt, x.p, x.ld, wt, ldw, y.p + o0, y.ld, rows, nc, k, m.cublas_lt_workspace,
+                            cuda::kCublasLtWorkspaceBytes, m.stream));
+  }
+  return Status::ok();
+}
+
 // More rows: BF16 weights (dequantised per chunk of output rows) times BF16 activations on
 // cuBLASLt, f32 out; chunks of at most 256 MB of BF16 weights, rows padded to 8. The BF16
 // copies live in the backend's reusable buffers; the product goes straight into y when y is
@@ -900,6 +944,13 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
   Impl& m = *impl_;
   const bool quantized = mode == MatmulMode::Quantized && cuda::matvec_supported(w.type) && n_in % 32 == 0 &&
                          w.row_stride() == static_cast<int64_t>(*row_bytes);
+  if (mode == MatmulMode::Float32 && xv.rows >= kFloat32GemmFromRows && w.type != GgmlType::I32 &&
+      cuda::exact::supported(w.type) && cuda::exact::tables_ready(w.type, {m.iq2_grid, m.iq2_signs, m.iq_tables})) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    DSV4_CUDA_TRY(cudaStreamIsCapturing(m.stream, &capture));
+    // The chunk buffer may have to grow (a synchronisation), which a graph cannot hold.
+    if (capture == cudaStreamCaptureStatusNone) return f32_gemm_product(m, wm, xv, yv);
+  }
   if (!quantized) return exact_product(m, wm, xv, yv);
   if (xv.rows <= cuda::kMatvecMaxRows) return matvec_product(m, wm, xv, yv);
   // 17-64 rows: the int8 tensor-core kernels where they take the type (mmq.h).

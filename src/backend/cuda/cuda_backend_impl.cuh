@@ -93,7 +93,7 @@ struct CudaBackend::Impl {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  Reusable bf16_weights, bf16_activations;
+  Reusable bf16_weights, bf16_activations, f32_weights;
 
   ~Impl();
 

@@ -121,9 +121,14 @@ Status convert_f32_to_bf16(const float* x, int64_t count, __nv_bfloat16* out, cu
   return Status::ok();
 }
 
-Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfloat16* w, float* c, int64_t m,
-                 int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (m <= 0 || n <= 0 || k <= 0) return Status::error("gemm_bf16: empty shape");
+namespace {
+
+// C [m][n] f32 (rows ldc apart) = A [m][k] (rows lda apart) · W [n][k]^T (rows ldw apart), A and W
+// of `type`, f32 accumulation (CUBLAS_COMPUTE_32F: no TF32).
+Status lt_matmul(cublasLtHandle_t handle, cudaDataType_t type, const void* a, int64_t lda, const void* w, int64_t ldw,
+                 float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream, const char* what) {
+  if (m <= 0 || n <= 0 || k <= 0) return Status::error(std::string(what) + ": empty shape");
   // Column-major view: C^T (n x m) = W (k x n)^T · A^T (k x m).
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t lw = nullptr, la = nullptr, lc = nullptr;
@@ -140,9 +145,9 @@ Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfl
     const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
     DSV4_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose));
     DSV4_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof keep));
-    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lw, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(n), k));
-    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(m), k));
-    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, static_cast<uint64_t>(n), static_cast<uint64_t>(m), n));
+    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lw, type, static_cast<uint64_t>(k), static_cast<uint64_t>(n), ldw));
+    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&la, type, static_cast<uint64_t>(k), static_cast<uint64_t>(m), lda));
+    DSV4_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, static_cast<uint64_t>(n), static_cast<uint64_t>(m), ldc));
     DSV4_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref));
     DSV4_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                          &workspace_bytes, sizeof workspace_bytes));
@@ -150,7 +155,7 @@ Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfl
     int found = 0;
     DSV4_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle, op, lw, la, lc, lc, pref, 1, &result, &found));
     if (found == 0)
-      return Status::error("gemm_bf16: cuBLASLt has no algorithm for m " + std::to_string(m) + " n " +
+      return Status::error(std::string(what) + ": cuBLASLt has no algorithm for m " + std::to_string(m) + " n " +
                            std::to_string(n) + " k " + std::to_string(k));
     const float alpha = 1.0f, beta = 0.0f;
     DSV4_CUBLAS_TRY(cublasLtMatmul(handle, op, &alpha, w, lw, a, la, &beta, c, lc, c, lc, &result.algo, workspace,
@@ -159,6 +164,20 @@ Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfl
   }();
   cleanup();
   return st;
+}
+
+}  // namespace
+
+Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfloat16* w, float* c, int64_t m,
+                 int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return lt_matmul(handle, CUDA_R_16BF, a, k, w, k, c, n, m, n, k, workspace, workspace_bytes, stream, "gemm_bf16");
+}
+
+Status gemm_f32(cublasLtHandle_t handle, const float* a, int64_t lda, const float* w, int64_t ldw, float* c,
+                int64_t ldc, int64_t m, int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
+                cudaStream_t stream) {
+  return lt_matmul(handle, CUDA_R_32F, a, lda, w, ldw, c, ldc, m, n, k, workspace, workspace_bytes, stream,
+                   "gemm_f32");
 }
 
 Status gemm_prefill(cublasLtHandle_t handle, GgmlType type, const void* w, int64_t n, int64_t k,

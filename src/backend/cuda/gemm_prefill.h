@@ -29,6 +29,12 @@ inline constexpr size_t kCublasLtWorkspaceBytes = size_t{32} << 20;
 Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfloat16* w, float* c, int64_t m,
                  int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// C [m][n] f32 = A [m][k] f32 · W [n][k]^T f32 in fp32 (CUBLAS_COMPUTE_32F, no TF32), rows
+// lda, ldw, ldc floats apart: MatmulMode::Float32's many-row products.
+Status gemm_f32(cublasLtHandle_t handle, const float* a, int64_t lda, const float* w, int64_t ldw, float* c,
+                int64_t ldc, int64_t m, int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
+                cudaStream_t stream);
+
 // Dequantise W into `w_bf16` (n*k elements of scratch), then gemm_bf16. BF16 weights are
 // used in place.
 Status gemm_prefill(cublasLtHandle_t handle, GgmlType type, const void* w, int64_t n, int64_t k,
