@@ -48,15 +48,15 @@ TEST_P(MoeTest, MatchesCpuReference) {
     return s;
   };
 
-  // Default kernels (fused decode for 1-2 tokens, tensor-core tiles of 8 or 64 pairs beyond:
-  // 5 tokens give 30 pairs over 8 experts, 40 and 96 tokens give 240 and 576) and the earlier
-  // ones (KernelChoice off).
+  // Default kernels (fused decode for 1-16 tokens, tensor-core tiles of 8 or 64 pairs beyond:
+  // 16 and 17 tokens on either side of the switch, 40 and 96 tokens give 240 and 576 pairs
+  // over 8 experts) and the earlier ones (KernelChoice off).
   struct Run {
     int64_t tokens;
     bool legacy;
   };
-  for (const Run run : {Run{1, false}, Run{2, false}, Run{5, false}, Run{40, false}, Run{96, false}, Run{1, true},
-                        Run{2, true}, Run{5, true}, Run{40, true}}) {
+  for (const Run run : {Run{1, false}, Run{2, false}, Run{5, false}, Run{16, false}, Run{17, false}, Run{40, false},
+                        Run{96, false}, Run{1, true}, Run{2, true}, Run{5, true}, Run{40, true}}) {
     const int64_t tokens = run.tokens;
     SCOPED_TRACE("tokens " + std::to_string(tokens) + (run.legacy ? ", legacy kernels" : ", default kernels"));
     set_kernel_choice(run.legacy ? KernelChoice{false, false, false, false, false} : KernelChoice{});

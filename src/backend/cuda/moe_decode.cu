@@ -1,4 +1,4 @@
-// Routed experts for one or two tokens (decode): two kernels per layer instead of four
+// Routed experts for 1-16 tokens (decode, kMoeDecodeMaxTokens): two kernels per layer instead of four
 // (moe_experts.h, KernelChoice::moe_decode).
 //
 // gate/up kernel: one block per (token, expert slot) pair and 32 consecutive rows of the
