@@ -30,8 +30,9 @@
 #              verify, draft and rollback costs at batch 1 and 16 (issue 15)
 #   serve      dsv4 serve --backend cuda on the same file, 1/16/64 streaming clients
 #              (bench/bench_serve_load.py: time to first token, per output token, tok/s)
-#   profile    ncu's per-kernel GPU time of batch-1 decode steps (no graphs) on a 2-layer cut of
-#              the geometry (DSV4_GPU_PROFILE_LAYERS): profile.txt, the kernels by total time
+#   profile    ncu's per-kernel GPU time of decode steps (no graphs; 1 and 16 sequences) and a
+#              prefill chunk on a 4-layer cut of the geometry (DSV4_GPU_PROFILE_LAYERS; 4 holds
+#              a window, a CSA and an HCA layer): profile.txt, the kernels by total time
 #   upstream   issue 12's check 3: llama.cpp's own converter (convert_hf_to_gguf.py, torch) turns
 #              a synthetic official checkpoint into a trunk and an MTP sidecar, and dsv4 and
 #              llama.cpp's logits on it are compared (tests/llamacpp/upstream_convert.sh; needs
@@ -390,7 +391,7 @@ fi
 
 # ---- where a decode step's time goes: ncu on a cut of the geometry -----------------------
 if has profile && command -v ncu >/dev/null; then
-  prof_layers="${DSV4_GPU_PROFILE_LAYERS:-2}"
+  prof_layers="${DSV4_GPU_PROFILE_LAYERS:-4}"
   prof="$shm/dsv4-flash-profile$prof_layers.gguf"
   : >"$work/profile.txt"
   step synth_profile 60 "$bin/dsv4" synth --preset flash --layers "$prof_layers" --no-mtp --recipe q2k \
