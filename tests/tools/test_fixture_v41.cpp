@@ -342,8 +342,9 @@ TEST_F(FixtureV41, DsparkDraftsQatOn) {
   // code of the trunk's layer-1 window KV at position 42, 3.6e-7 from its rounding tie
   // (inside the 2e-7 .. 2e-6 by which blocks 0-1 differ from the reference's last bits),
   // rounds the other way, and the main hidden of every later call carries it; with that
-  // code forced the figures are 5.8e-4 and 150 of 150 (FORWARD.md, "QAT-on decode and
-  // DSpark: the codes that differ"). These bars hold what is measured, with a little room.
+  // code set to the reference's the figures are 5.8e-4 and 150 of 150
+  // (QatOnBarIsDecidedByOneFp8CodeAtItsTie; FORWARD.md, "QAT-on decode and DSpark: the
+  // codes that differ"). These bars hold what is measured, with a little room.
   const RowErrors e = compare_rows(run.logits, ref_f32("dspark_logits_qat"), kVocab);
   ASSERT_TRUE(e.finite);
   const auto close = std::count_if(e.rel.begin(), e.rel.end(), [](double r) { return r <= 1e-2; });
@@ -384,7 +385,7 @@ Status set_window_kv(const Model& m, Sequence& seq, uint32_t block, int64_t posi
                      float* was) {
   const int64_t window = m.plan().window, width = m.plan().ring_width;
   const int32_t ring = m.plan().layers.at(block).ring;
-  if (ring < 0 || position >= seq.position() || position < seq.position() - window || dim >= width)
+  if (ring < 0 || dim < 0 || position >= seq.position() || position < seq.position() - window || dim >= width)
     return Status::errorf("set_window_kv: block {} position {} dim {} is not in the window", block, position, dim);
   DSV4_ASSIGN_OR_RETURN(SlotSnapshot snap, m.cache().snapshot(seq));
   float& slot = snap.rings.at(static_cast<size_t>(ring)).at(static_cast<size_t>((position % window) * width + dim));
@@ -400,7 +401,7 @@ Status set_window_kv(const Model& m, Sequence& seq, uint32_t block, int64_t posi
 // decode_logits_qat and dspark_logits_qat meet the README's QAT-on bar, over every row and
 // over the rows of the later calls alone (unedited, DsparkDraftsQatOn: median 1.8e-3,
 // 140 of 150 rows <= 1e-2). The call at position 42 itself, and what it wrote into blocks
-// 2-6, keep dsv4's code: they hardly matter, the figures are those of the diagnostic that
+// 2-6, keep dsv4's code: they hardly matter, the figures agree with the diagnostic that
 // forced the code where it is rounded (FORWARD.md).
 TEST_F(FixtureV41, QatOnBarIsDecidedByOneFp8CodeAtItsTie) {
   DSV4_SKIP_UNLESS_RELEASE_NUMERICS();
