@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -93,6 +94,10 @@ void expect_statistical(const RowErrors& e, const std::string& what) {
   report(e, what);
 }
 
+// A step between the calls of a teacher-forced run: the sequence and the position the
+// last call wrote; false stops the run.
+using AfterCall = std::function<bool(Sequence&, int64_t)>;
+
 class FixtureV41 : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { cpu_ = std::make_unique<backend::CpuBackend>(2); }
@@ -123,8 +128,10 @@ class FixtureV41 : public ::testing::Test {
     return out.logits;
   }
   // A prefill of tokens[0:n], then one decode call per further token (teacher forced):
-  // the logits of the prefill's last position, then of every decode call.
-  static std::vector<float> decode_rows(const Model& m, const std::vector<int32_t>& tokens, size_t n) {
+  // the logits of the prefill's last position, then of every decode call. `after_call`,
+  // when given, runs after each decode call with the position that call wrote.
+  static std::vector<float> decode_rows(const Model& m, const std::vector<int32_t>& tokens, size_t n,
+                                        const AfterCall& after_call = nullptr) {
     auto seq = sequence(m);
     if (!seq) return {};
     auto first = m.prefill(*seq, std::span<const int32_t>(tokens.data(), n));
@@ -136,6 +143,7 @@ class FixtureV41 : public ::testing::Test {
       EXPECT_TRUE(r.is_ok()) << r.status().message();
       if (!r.is_ok()) return {};
       rows.insert(rows.end(), r->begin(), r->end());
+      if (after_call && !after_call(*seq, static_cast<int64_t>(j))) return {};
     }
     return rows;
   }
@@ -262,7 +270,7 @@ struct DsparkRun {
   std::vector<float> confidence;  // [150]
 };
 
-DsparkRun dspark_run(const Model& m, const std::vector<int32_t>& tokens) {
+DsparkRun dspark_run(const Model& m, const std::vector<int32_t>& tokens, const AfterCall& after_trunk_call = nullptr) {
   DsparkRun run;
   SequenceOptions so;
   so.max_context = 128;
@@ -276,6 +284,7 @@ DsparkRun dspark_run(const Model& m, const std::vector<int32_t>& tokens) {
     const Status s = m.forward(std::span<const BatchItem>(&item, 1), out);
     EXPECT_TRUE(s.is_ok()) << s.message();
     if (!s.is_ok()) return false;
+    if (anchor >= 0 && after_trunk_call && !after_trunk_call(**seq, (*seq)->position() - 1)) return false;
     const DsparkItem d{seq->get(), out.streams, anchor};
     auto drafts = m.dspark(std::span<const DsparkItem>(&d, 1));
     EXPECT_TRUE(drafts.is_ok()) << drafts.status().message();
@@ -333,8 +342,9 @@ TEST_F(FixtureV41, DsparkDraftsQatOn) {
   // code of the trunk's layer-1 window KV at position 42, 3.6e-7 from its rounding tie
   // (inside the 2e-7 .. 2e-6 by which blocks 0-1 differ from the reference's last bits),
   // rounds the other way, and the main hidden of every later call carries it; with that
-  // code forced the figures are 5.8e-4 and 150 of 150 (FORWARD.md, "QAT-on decode and
-  // DSpark: the codes that differ"). These bars hold what is measured, with a little room.
+  // code set to the reference's the figures are 5.8e-4 and 150 of 150
+  // (QatOnBarIsDecidedByOneFp8CodeAtItsTie; FORWARD.md, "QAT-on decode and DSpark: the
+  // codes that differ"). These bars hold what is measured, with a little room.
   const RowErrors e = compare_rows(run.logits, ref_f32("dspark_logits_qat"), kVocab);
   ASSERT_TRUE(e.finite);
   const auto close = std::count_if(e.rel.begin(), e.rel.end(), [](double r) { return r <= 1e-2; });
@@ -346,6 +356,150 @@ TEST_F(FixtureV41, DsparkDraftsQatOn) {
   const double conf = max_confidence_error(run.confidence, ref_f32("dspark_confidence_qat"));
   std::printf("[ measured ] dspark_confidence_qat: max error %.3g\n", conf);
   EXPECT_LE(conf, 0.25);  // relative to max(|c|, 1); QAT off: 2e-5
+}
+
+// The one FP8 window-KV code that decides the README's QAT-on bar for decode and DSpark
+// (FORWARD.md, "QAT-on decode and DSpark: the codes that differ", code 1): trunk block 1,
+// position 42, dim 35, in the block of dims 32..63. dsv4's value there is 6.25009 times
+// the block's scale and rounds up to 6.5; the reference's rounds to 6 (the tie is 6.25,
+// which e4m3 rounds to the even code 6).
+constexpr uint32_t kTieBlock = 1;
+constexpr int64_t kTiePosition = 42, kTieDim = 35, kFp8Block = 32;
+constexpr float kTie = 6.25f, kDsv4Code = 6.5f, kReferenceCode = 6.0f;
+
+// The FP8 rule's block scale (README, QAT rule 1): amax floored at 1e-4, 2^ceil(log2(amax * fl32(1/448))).
+float fp8_block_scale(const float* block, int64_t n) {
+  float amax = 1e-4f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(block[i]));
+  const float t = amax * (1.0f / 448.0f);
+  int e = 0;
+  const float m = std::frexp(t, &e);  // t = m * 2^e, m in [0.5, 1)
+  return std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+// Overwrites one value of block `block`'s window KV at `position` in seq's window ring,
+// through the cache manager's snapshot and restore (the ring row of a position is
+// position % window); `was` gets the value it replaces. Everything else is written back
+// unchanged.
+Status set_window_kv(const Model& m, Sequence& seq, uint32_t block, int64_t position, int64_t dim, float value,
+                     float* was) {
+  const int64_t window = m.plan().window, width = m.plan().ring_width;
+  const int32_t ring = m.plan().layers.at(block).ring;
+  if (ring < 0 || dim < 0 || position >= seq.position() || position < seq.position() - window || dim >= width)
+    return Status::errorf("set_window_kv: block {} position {} dim {} is not in the window", block, position, dim);
+  DSV4_ASSIGN_OR_RETURN(SlotSnapshot snap, m.cache().snapshot(seq));
+  float& slot = snap.rings.at(static_cast<size_t>(ring)).at(static_cast<size_t>((position % window) * width + dim));
+  *was = slot;
+  slot = value;
+  return m.cache().restore(seq, snap);
+}
+
+// Tolerance rule 5 of the README, done: where a QAT-on row fails, check whether a discrete
+// choice differs and how small its margin is. Without any edit, the code's pre-rounding
+// value is within 1e-6 of the row RMS of the tie (3.6e-7 absolute) and dsv4 rounds it up;
+// written into the cache as the reference's code right after the call that computed it,
+// decode_logits_qat and dspark_logits_qat meet the README's QAT-on bar, over every row and
+// over the rows of the later calls alone (unedited, DsparkDraftsQatOn: median 1.8e-3,
+// 140 of 150 rows <= 1e-2). The call at position 42 itself, and what it wrote into blocks
+// 2-6, keep dsv4's code: they hardly matter, the figures agree with the diagnostic that
+// forced the code where it is rounded (FORWARD.md).
+TEST_F(FixtureV41, QatOnBarIsDecidedByOneFp8CodeAtItsTie) {
+  DSV4_SKIP_UNLESS_RELEASE_NUMERICS();
+  const std::vector<int32_t> tokens = ref_i32("decode_tokens");
+  auto on = load(true);
+  ASSERT_TRUE(on);
+
+  // The margin, from the trace of the decode call at position 42.
+  float scale = 0;
+  {
+    auto seq = sequence(*on);
+    ASSERT_TRUE(seq);
+    ASSERT_TRUE(on->prefill(*seq, std::span<const int32_t>(tokens.data(), kTiePosition)).is_ok());
+    ForwardTrace trace;
+    BatchItem item{seq.get(), std::span<const int32_t>(&tokens[kTiePosition], 1), false};
+    ForwardOutput out;
+    ASSERT_TRUE(on->forward(std::span<const BatchItem>(&item, 1), out, &trace).is_ok());
+    const std::string name = "layers." + std::to_string(kTieBlock) + ".window_kv";
+    const TracedTensor* pre = trace.find(name + "_prequant");
+    const TracedTensor* kv = trace.find(name);
+    ASSERT_TRUE(pre && kv);
+    ASSERT_EQ(pre->rows(), 1);
+    ASSERT_EQ(kv->rows(), 1);
+    const int64_t first = kTieDim / kFp8Block * kFp8Block;
+    scale = fp8_block_scale(&pre->f32[first], kFp8Block);
+    double ss = 0;
+    for (float v : pre->f32) ss += double(v) * v;
+    const double rms = std::sqrt(ss / static_cast<double>(pre->f32.size()));
+    const double x = pre->f32[kTieDim], from_tie = x - double(kTie) * scale;
+    std::printf("[ measured ] %s row %lld dim %lld: %.9g = %.9g x scale 2^%d, %.3g above the tie "
+                "(%.3g of the row RMS, %.3g of the value); dsv4's code %.9g\n",
+                name.c_str(), static_cast<long long>(kTiePosition), static_cast<long long>(kTieDim), x, x / scale,
+                std::ilogb(scale), from_tie, from_tie / rms, from_tie / x, kv->f32[kTieDim] / scale);
+    EXPECT_GT(from_tie, 0) << "on the side that rounds up";
+    EXPECT_LE(from_tie / rms, 1e-6) << "within 1e-6 of the row RMS of the tie";
+    EXPECT_EQ(kv->f32[kTieDim], kDsv4Code * scale) << "dsv4 rounds it up";
+  }
+
+  // The reference's code, written into the ring after the call at position 42.
+  const AfterCall edit = [&](Sequence& seq, int64_t position) {
+    if (position != kTiePosition) return true;
+    float was = 0;
+    const Status s = set_window_kv(*on, seq, kTieBlock, kTiePosition, kTieDim, kReferenceCode * scale, &was);
+    EXPECT_TRUE(s.is_ok()) << s.message();
+    EXPECT_EQ(was, kDsv4Code * scale) << "the ring holds the traced code";
+    return s.is_ok() && was == kDsv4Code * scale;
+  };
+  constexpr int64_t kDecodeFirst = 40;  // decode_logits_qat row 0 is position 40
+  const std::vector<float> decoded = decode_rows(*on, tokens, 41, edit);
+  // The write itself changes nothing else: writing back dsv4's own code is bit-identical
+  // to a run without the write.
+  const AfterCall rewrite = [&](Sequence& seq, int64_t position) {
+    float was = 0;
+    return position != kTiePosition ||
+           set_window_kv(*on, seq, kTieBlock, kTiePosition, kTieDim, kDsv4Code * scale, &was).is_ok();
+  };
+  const std::vector<float> unedited = decode_rows(*on, tokens, 41), rewritten = decode_rows(*on, tokens, 41, rewrite);
+  ASSERT_EQ(rewritten.size(), unedited.size());
+  EXPECT_EQ(std::memcmp(rewritten.data(), unedited.data(), unedited.size() * sizeof(float)), 0);
+  const std::vector<float> want = ref_f32("decode_logits_qat");
+  ASSERT_EQ(decoded.size(), want.size());
+  const int64_t after = (kTiePosition + 1 - kDecodeFirst) * kVocab;
+  expect_statistical(compare_rows(decoded, want, kVocab), "decode_logits_qat, code edited, all rows");
+  expect_statistical(compare_rows(std::vector<float>(decoded.begin() + after, decoded.end()),
+                                  std::vector<float>(want.begin() + after, want.end()), kVocab),
+                     "decode_logits_qat, code edited, rows after the edit");
+
+  // DSpark call r follows the trunk call at position 41 + r: the calls from r = 2 on draft
+  // from main hidden computed after the edit.
+  const DsparkRun run = dspark_run(*on, tokens, edit);
+  const std::vector<int32_t> want_tokens = ref_i32("dspark_tokens_qat");
+  const std::vector<float> want_logits = ref_f32("dspark_logits_qat");
+  const std::vector<float> want_conf = ref_f32("dspark_confidence_qat");
+  ASSERT_EQ(run.tokens.size(), want_tokens.size());
+  ASSERT_EQ(run.logits.size(), want_logits.size());
+  ASSERT_EQ(run.confidence.size(), want_conf.size());
+  const size_t first_call = static_cast<size_t>(kTiePosition + 1 - 41), block = 5;
+  int same = 0, same_after = 0;
+  for (size_t r = 0; r < 30; ++r) {
+    const bool equal =
+        std::equal(want_tokens.begin() + r * 6, want_tokens.begin() + r * 6 + 6, run.tokens.begin() + r * 6);
+    same += equal;
+    same_after += equal && r >= first_call;
+  }
+  std::printf("[ measured ] dspark_tokens_qat, code edited: %d of 30 calls identical, %d of %zu after the edit\n",
+              same, same_after, 30 - first_call);
+  EXPECT_GE(same, 29);  // >= 95 % of the calls; unedited: 29
+  EXPECT_GE(same_after, static_cast<int>(std::ceil(0.95 * (30 - first_call))));
+  const size_t from = first_call * block * kVocab;
+  expect_statistical(compare_rows(run.logits, want_logits, kVocab), "dspark_logits_qat, code edited, all rows");
+  expect_statistical(compare_rows(std::vector<float>(run.logits.begin() + from, run.logits.end()),
+                                  std::vector<float>(want_logits.begin() + from, want_logits.end()), kVocab),
+                     "dspark_logits_qat, code edited, rows after the edit");
+  const double conf = max_confidence_error(
+      std::vector<float>(run.confidence.begin() + first_call * block, run.confidence.end()),
+      std::vector<float>(want_conf.begin() + first_call * block, want_conf.end()));
+  std::printf("[ measured ] dspark_confidence_qat, code edited: max error %.3g after the edit\n", conf);
+  EXPECT_LE(conf, 2e-2);  // relative to max(|c|, 1); unedited 0.113, QAT off 2e-5
 }
 
 // `dsv4 score --mtp` on the V4.1 file: the teacher-forced DSpark blocks of decode_tokens,
