@@ -95,4 +95,10 @@ std::unique_ptr<ResponseFormatter> make_formatter(Endpoint endpoint, const Parse
 // OpenAI /v1/models (with Anthropic's fields too, so both clients read it).
 OrderedJson models_list(const ApiContext& ctx, int64_t created);
 
+// What is otherwise drawn once per process so that two server runs never hand out the same
+// ids or default seeds: the salt of every output id (call, item, response ids) and the first
+// default sampling seed of requests without one. Fixed by the fuzzers and tests that must
+// behave the same on every run; call before the first request.
+void set_process_randomness(uint64_t id_salt, uint64_t first_default_seed);
+
 }  // namespace dsv4::server

@@ -12,9 +12,11 @@
 
 #include <fmt/chrono.h>
 
+#include <atomic>
 #include <random>
 
 #include "server/api.h"
+#include "server/parse_util.h"
 
 namespace dsv4::server {
 namespace {
@@ -28,7 +30,11 @@ std::string sse_event(const std::string& type, const OrderedJson& j) {
   return "event: " + type + "\ndata: " + dump(j) + "\n\n";
 }
 
+std::atomic<bool> g_salt_fixed{false};
+std::atomic<uint64_t> g_fixed_salt{0};
+
 uint64_t process_salt() {
+  if (g_salt_fixed.load()) return g_fixed_salt.load();
   static const uint64_t salt = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   return salt;
 }
@@ -631,6 +637,12 @@ OrderedJson models_list(const ApiContext& ctx, int64_t created) {
           {"has_more", false},
           {"first_id", ctx.model_names.empty() ? OrderedJson(nullptr) : OrderedJson(ctx.model_names.front())},
           {"last_id", ctx.model_names.empty() ? OrderedJson(nullptr) : OrderedJson(ctx.model_names.back())}};
+}
+
+void set_process_randomness(uint64_t id_salt, uint64_t first_default_seed) {
+  g_fixed_salt.store(id_salt);
+  g_salt_fixed.store(true);
+  detail::set_first_default_seed(first_default_seed);
 }
 
 }  // namespace dsv4::server

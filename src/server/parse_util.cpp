@@ -180,6 +180,11 @@ bool check_model(Fields& f, const ApiContext& ctx, std::string& model, bool requ
   return true;
 }
 
+// Requests without a seed get distinct ones, different in every process (unless fixed).
+std::atomic<uint64_t> g_default_seed{std::random_device{}()};
+
+void set_first_default_seed(uint64_t seed) { g_default_seed.store(seed); }
+
 void read_sampling(Fields& f, runtime::RequestSpec& spec, const ApiContext& ctx) {
   runtime::SamplingParams& p = spec.sampling;
   if (auto t = f.number("temperature", 0, 2)) p.temperature = static_cast<float>(*t);
@@ -192,8 +197,7 @@ void read_sampling(Fields& f, runtime::RequestSpec& spec, const ApiContext& ctx)
   if (auto s = f.integer("seed", INT64_MIN, INT64_MAX)) {
     p.seed = static_cast<uint64_t>(*s);
   } else {
-    static std::atomic<uint64_t> counter{std::random_device{}()};
-    p.seed = counter.fetch_add(0x9e3779b97f4a7c15ull);
+    p.seed = g_default_seed.fetch_add(0x9e3779b97f4a7c15ull);
   }
   if (auto v = f.number("presence_penalty", -2, 2)) p.presence_penalty = static_cast<float>(*v);
   if (auto v = f.number("frequency_penalty", -2, 2)) p.frequency_penalty = static_cast<float>(*v);

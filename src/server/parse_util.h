@@ -51,6 +51,8 @@ bool check_model(Fields& f, const ApiContext& ctx, std::string& model, bool requ
 // ({"glp_alpha": A}: the steering strength, |A| <= runtime::kMaxSteeringAlpha, only with a
 // bound steering file).
 void read_sampling(Fields& f, runtime::RequestSpec& spec, const ApiContext& ctx);
+// The next default seed read_sampling hands out (set_process_randomness, api.h).
+void set_first_default_seed(uint64_t seed);
 
 // Validates an OpenAI tools array ({"type": "function", "function": {...}}).
 bool check_openai_tools(Fields& f, const char* key, const OrderedJson& tools);
