@@ -42,13 +42,8 @@ fuzz_fixed() {
   local args=(-seed="$fuzz_seed" -runs="$runs" -use_cmp=0 -reload=0 -rss_limit_mb=2048 -max_len=65536
               -timeout=300 -print_final_stats=1 -artifact_prefix="$fuzz_dir/findings/$name-")
   [ -s "$seeds" ] && args+=(-seed_inputs="@$seeds")
-  # Address space randomisation off where the system allows it: fuzz_server_request's
-  # coverage still differed between two runs of one binary (5255 vs 5260 edges; 4839 vs 4840
-  # already after the seed inputs), and was the same on every run with it off.
-  local run=("build-asan/fuzz/$name")
-  if setarch "$(uname -m)" -R true 2>/dev/null; then run=(setarch "$(uname -m)" -R "${run[@]}"); fi
   local status=0
-  "${run[@]}" "${args[@]}" >"$fuzz_dir/$name.log" 2>&1 || status=$?
+  "build-asan/fuzz/$name" "${args[@]}" >"$fuzz_dir/$name.log" 2>&1 || status=$?
   echo "$status" >"$fuzz_dir/$name.status"
 }
 
