@@ -239,6 +239,24 @@ class CudaMatmul : public CudaBackendOps {
     EXPECT_TRUE(cpu_->matmul(p.w.cpu, p.x.cpu, p.y.cpu, MatmulMode::Exact).is_ok());
     return fetch<float>(*cpu_, p.y.cpu);
   }
+  // [37, k] weights of `type` times m fresh rows in `mode` against the CPU's Exact product:
+  // within kExactBound per row, and bit for bit when `identical` (saying why).
+  void check_against_exact(GgmlType type, int64_t k, int64_t m, MatmulMode mode, uint64_t seed,
+                           const char* identical) {
+    std::mt19937_64 rng(seed);
+    const int64_t n = 37;
+    const std::string what = std::string("matmul ") + (mode == MatmulMode::Exact ? "exact " : "float32 ") +
+                             type_name(type) + " w " + shape_text(n, k) + " x " + shape_text(m, k) + " seed " +
+                             std::to_string(seed);
+    const Product p = setup(type, n, k, m, rng);
+    const auto want = reference(p);
+    ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, mode).is_ok()) << what;
+    const auto got = fetch<float>(*gpu_, p.y.gpu);
+    if (identical != nullptr) expect_identical(got, want, what + " (" + identical + ")");
+    expect_rows_close(got, want, m, n, kExactBound, what);
+    gpu_->begin_step();
+    cpu_->begin_step();
+  }
 };
 
 TEST_F(CudaMatmul, ExactEveryTypeOddShapesStridedViews) {
@@ -249,21 +267,9 @@ TEST_F(CudaMatmul, ExactEveryTypeOddShapesStridedViews) {
     const int64_t ks[] = {block == 1 ? 100 : row_length(type, block == 256 ? 2 : 3),
                           block == 1 ? 2071 : block == 256 ? 2304 : 2272};
     for (int64_t k : ks)
-      for (int64_t m : {1, 5, 8, 9, 70}) {
-        const uint64_t seed = seed_for(300 + static_cast<uint64_t>(type) * 100 + k + m);
-        std::mt19937_64 rng(seed);
-        const int64_t n = 37;
-        const std::string what = "matmul exact " + type_name(type) + " w " + shape_text(n, k) + " x " +
-                                 shape_text(m, k) + " seed " + std::to_string(seed);
-        const Product p = setup(type, n, k, m, rng);
-        const auto want = reference(p);
-        ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, MatmulMode::Exact).is_ok()) << what;
-        const auto got = fetch<float>(*gpu_, p.y.gpu);
-        expect_identical(got, want, what + " (the CPU's AVX2 summation order)");
-        expect_rows_close(got, want, m, n, kExactBound, what);
-        gpu_->begin_step();
-        cpu_->begin_step();
-      }
+      for (int64_t m : {1, 5, 8, 9, 70})
+        check_against_exact(type, k, m, MatmulMode::Exact, seed_for(300 + static_cast<uint64_t>(type) * 100 + k + m),
+                            "the CPU's AVX2 summation order");
   }
 }
 
@@ -275,21 +281,9 @@ TEST_F(CudaMatmul, Float32ModeManyRowsAgainstExact) {
   for (GgmlType type : kAllWeightTypes) {
     const int64_t block = ggml_traits(type).block_elems;
     const int64_t k = block == 1 ? 2071 : block == 256 ? 2304 : 2272;
-    for (int64_t m : {64, 65, 200}) {
-      const uint64_t seed = seed_for(700 + static_cast<uint64_t>(type) * 100 + m);
-      std::mt19937_64 rng(seed);
-      const int64_t n = 37;
-      const std::string what = "matmul float32 " + type_name(type) + " w " + shape_text(n, k) + " x " +
-                               shape_text(m, k) + " seed " + std::to_string(seed);
-      const Product p = setup(type, n, k, m, rng);
-      const auto want = reference(p);
-      ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, MatmulMode::Float32).is_ok()) << what;
-      const auto got = fetch<float>(*gpu_, p.y.gpu);
-      if (m < 65) expect_identical(got, want, what + " (the staged exact kernel below 65 rows)");
-      expect_rows_close(got, want, m, n, kExactBound, what);
-      gpu_->begin_step();
-      cpu_->begin_step();
-    }
+    for (int64_t m : {64, 65, 200})
+      check_against_exact(type, k, m, MatmulMode::Float32, seed_for(700 + static_cast<uint64_t>(type) * 100 + m),
+                          m < 65 ? "the staged exact kernel below 65 rows" : nullptr);
   }
 }
 

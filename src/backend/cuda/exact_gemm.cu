@@ -4,6 +4,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/matvec_launch.cuh"  // sm_count
 
 namespace dsv4::cuda {
 
@@ -203,22 +204,11 @@ struct StagePlan {
   int64_t x_bytes = 0, w_bytes = 0;  // per staged row
 };
 
-int multiprocessors() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
-      return 132;
-    return sms;
-  }();
-  return count;
-}
-
 // rows: a power of two up to kStageMaxRows (multi_row: the kernel has those instantiations),
 // its x rows at most half the block's bytes (the rest for weight rows: each staged x row is
 // read again by every block of outputs, each weight row by every block of rows); outputs: what
 // the rest holds, fewer while the grid would cover the GPU less than twice.
-StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes, bool multi_row) {
+StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes, bool multi_row, int sms) {
   StagePlan p;
   p.x_bytes = align16(k * 4);
   p.w_bytes = align16(row_data_bytes);
@@ -228,7 +218,7 @@ StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes, bo
   while (multi_row && 2 * rows <= std::min<int64_t>(m, kStageMaxRows) && 2 * rows * p.x_bytes <= budget / 2) rows *= 2;
   const int64_t groups = ceil_div(m, rows);
   int64_t outputs = std::clamp<int64_t>((budget - rows * p.x_bytes) / p.w_bytes, 1, kStageMaxOutputs);
-  outputs = std::min(outputs, std::max<int64_t>(1, n * groups / (2 * multiprocessors())));
+  outputs = std::min(outputs, std::max<int64_t>(1, n * groups / (2 * int64_t{sms})));
   outputs = std::min(outputs, n);
   p.rows = static_cast<int>(rows);
   p.outputs = static_cast<int>(outputs);
@@ -316,8 +306,9 @@ Status launch_staged(const GemmArgs& a, const StagePlan& plan, cudaStream_t stre
 
 template <GgmlType T>
 Status launch(const GemmArgs& a, int tm, dim3 grid, cudaStream_t stream) {
+  DSV4_ASSIGN_OR_RETURN(const int sms, detail::sm_count());
   const StagePlan plan =
-      a.tile_count == nullptr ? stage_plan(a.m, a.n, a.k, a.row_data_bytes, kMultiRow<T>) : StagePlan{};
+      a.tile_count == nullptr ? stage_plan(a.m, a.n, a.k, a.row_data_bytes, kMultiRow<T>, sms) : StagePlan{};
   if (plan.rows > 0) {
     if constexpr (kMultiRow<T>) {
       if (plan.rows == 8) return launch_staged<T, 8>(a, plan, stream);

@@ -20,6 +20,7 @@
 // the general kernel.
 #pragma once
 
+#include "backend/cuda/activation_quant.h"
 #include "backend/cuda/matvec_kernel.cuh"
 #include "backend/cuda/q8_block.cuh"
 
@@ -395,9 +396,10 @@ __device__ __forceinline__ void load_row_activations(const ActView& act, int64_t
 // The block quantises the f32 row x (16-byte aligned, k a multiple of the unit) into shared
 // memory in activation_quant.h's layout (q, then d; no s16: prepare derives the sums), one
 // thread per 32 values with q8_block.cuh's functions, so the bits are those
-// quantize_activations_q8 stores and a one-row product needs no quantisation launch (~3.5 us
-// each, 15 per decode layer: issue 10's profiles). Once per block, not per warp: every warp
-// reading the whole f32 row from L2 doubled the kernel (2026-12-02 run).
+// quantize_activations_q8 stores. The fused decode experts quantise a token's x with it
+// (moe_decode.cu), and the one-row product of one matrix, which then needs no quantisation
+// launch (~3.5 us each, 15 per decode layer: issue 10's profiles). Once per block, not per
+// warp: every warp reading the whole f32 row from L2 doubled the kernel (2026-12-02 run).
 template <int kSub>
 __device__ __forceinline__ void quantize_row_to_shared(const float* __restrict__ x, int64_t k, int lanes, int8_t* q,
                                                        float* d) {
@@ -428,8 +430,7 @@ __device__ __forceinline__ void quantize_row_to_shared(const float* __restrict__
 // Shared-memory bytes quantize_row_to_shared needs for a row of k values (units of W over L
 // lanes, padded as activation_quant.h pads rows).
 inline int row_quant_smem_bytes(int64_t k, int unit_weights, int lanes) {
-  const int64_t units = (k + unit_weights - 1) / unit_weights;
-  const int64_t padded = (units + lanes - 1) / lanes * lanes * unit_weights;
+  const int64_t padded = padded_row_values(k, ActivationLayout{unit_weights, lanes});
   return static_cast<int>((padded + 15) / 16 * 16 + padded / 32 * 4);
 }
 

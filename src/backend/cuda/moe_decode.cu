@@ -137,29 +137,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_decode_gate_up_kernel(c
   }
 
   // The token's activations, quantised by the block into the layout of its lanes' slices.
-  {
-    const int sub = U::kSub, L = a.gu_lanes;
-    const float* xr = a.x + static_cast<int64_t>(token) * a.hidden;
-    for (int b = threadIdx.x; b < a.hidden / 32; b += blockDim.x) {
-      float v[32];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float4 f = reinterpret_cast<const float4*>(xr + 32 * b)[i];
-        v[4 * i] = f.x;
-        v[4 * i + 1] = f.y;
-        v[4 * i + 2] = f.z;
-        v[4 * i + 3] = f.w;
-      }
-      uint32_t q[8];
-      float d;
-      q8_quantize_thread(v, q, d);
-      int64_t q_at, d_at;
-      layout_position(b, sub, L, 0, q_at, d_at);
-      *reinterpret_cast<uint4*>(xq + q_at) = make_uint4(q[0], q[1], q[2], q[3]);
-      *reinterpret_cast<uint4*>(xq + q_at + 16 * L) = make_uint4(q[4], q[5], q[6], q[7]);
-      xd[d_at] = d;
-    }
-  }
+  quantize_row_to_shared<U::kSub>(a.x + static_cast<int64_t>(token) * a.hidden, a.hidden, a.gu_lanes, xq, xd);
   __syncthreads();
   const int L = a.gu_lanes;
   const int slot = lane & (L - 1);
