@@ -9,7 +9,9 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/gemm_prefill.h"
@@ -58,8 +60,19 @@ KernelChoice legacy_moe() {
   return c;
 }
 
+// DSV4_BENCH_ONLY=<regular expression>: run only the cases whose name it matches (as in
+// cuda_bench_matvec), e.g. "decode 1 token .*(IQ1_S|Q4_0)/".
+bool selected(const std::string& name) {
+  const char* only = std::getenv("DSV4_BENCH_ONLY");
+  return only == nullptr || std::regex_search(name, std::regex(only));
+}
+
 void decode_43_layers(GgmlType gu, GgmlType down, const Bandwidth& bw, cudaStream_t stream, bool legacy = false,
                       int64_t tokens = 1) {
+  const std::string name = std::string("decode ") + std::to_string(tokens) + " token x 6 experts x 43 layers " +
+                           std::string(ggml_type_name(gu)) + "/" + std::string(ggml_type_name(down)) +
+                           (legacy ? " legacy" : "");
+  if (!selected(name)) return;
   constexpr int64_t kExpertsPerLayer = 8;
   set_kernel_choice(legacy ? legacy_moe() : KernelChoice{});
   std::vector<ExpertSet*> layers;
@@ -101,16 +114,17 @@ void decode_43_layers(GgmlType gu, GgmlType down, const Bandwidth& bw, cudaStrea
   char note[200];
   std::snprintf(note, sizeof note, "%.2f GB of expert weights; bound %.0f us at the read bandwidth; %.0f GB/s", bytes / 1e9,
                 bound_us, bytes / us / 1e3);
-  report("moe", std::string("decode ") + std::to_string(tokens) + " token x 6 experts x 43 layers " +
-                    std::string(ggml_type_name(gu)) + "/" + std::string(ggml_type_name(down)) +
-                    (legacy ? " legacy" : ""),
-         us, "us", bound_us / us, note);
+  report("moe", name, us, "us", bound_us / us, note);
   for (auto* l : layers) delete l;
   set_kernel_choice(KernelChoice{});
 }
 
 void batched_layer(GgmlType gu, GgmlType down, int64_t tokens, const ExpertSet& set, const Bandwidth& bw,
                    double bf16_tflops, cudaStream_t stream, bool legacy = false) {
+  const std::string name = "batched layer 256 experts, " + std::to_string(tokens) + " tokens " +
+                           std::string(ggml_type_name(gu)) + "/" + std::string(ggml_type_name(down)) +
+                           (legacy ? " legacy" : "");
+  if (!selected(name)) return;
   set_kernel_choice(legacy ? legacy_moe() : KernelChoice{});
   std::mt19937 rng(11);
   const auto r = route(tokens, set.experts, rng);
@@ -143,9 +157,7 @@ void batched_layer(GgmlType gu, GgmlType down, int64_t tokens, const ExpertSet& 
   // Ratio: the weight bandwidth's share of the read bandwidth for decode-like counts, the
   // share of cuBLAS's BF16 rate for prefill-like ones (>= 512 tokens: compute-bound).
   const double ratio = tokens >= 512 ? flops / us / 1e6 / bf16_tflops : bytes / us / 1e3 / bw.read_gbs;
-  report("moe", "batched layer 256 experts, " + std::to_string(tokens) + " tokens " + std::string(ggml_type_name(gu)) +
-                    "/" + std::string(ggml_type_name(down)) + (legacy ? " legacy" : ""),
-         us, "us", ratio, note);
+  report("moe", name, us, "us", ratio, note);
   set_kernel_choice(KernelChoice{});
 }
 
@@ -204,6 +216,19 @@ int main() {
   {
     const ExpertSet set(GgmlType::MXFP4, GgmlType::MXFP4, 256);
     for (int64_t tokens : {64, 2048}) batched_layer(GgmlType::MXFP4, GgmlType::MXFP4, tokens, set, bw, bf16, stream);
+  }
+  // The further types' tensor-core tiles (batched decode and prefill sizes).
+  const std::pair<GgmlType, GgmlType> further[] = {
+      {GgmlType::IQ1_S, GgmlType::IQ2_XS}, {GgmlType::IQ1_M, GgmlType::IQ2_S},  {GgmlType::IQ2_XS, GgmlType::IQ3_XXS},
+      {GgmlType::IQ3_S, GgmlType::IQ4_XS}, {GgmlType::Q4_0, GgmlType::Q5_0},    {GgmlType::IQ4_NL, GgmlType::Q5_K}};
+  for (const auto& [gu, down] : further) {
+    const std::string probe = "batched layer 256 experts, 16 tokens " + std::string(ggml_type_name(gu)) + "/" +
+                              std::string(ggml_type_name(down));
+    const std::string probe_big = "batched layer 256 experts, 2048 tokens " + std::string(ggml_type_name(gu)) + "/" +
+                                  std::string(ggml_type_name(down));
+    if (!selected(probe) && !selected(probe_big)) continue;  // skip building the 256 experts
+    const ExpertSet set(gu, down, 256);
+    for (int64_t tokens : {16, 2048}) batched_layer(gu, down, tokens, set, bw, bf16, stream);
   }
   BENCH_CUDA(cudaStreamDestroy(stream));
   return 0;
