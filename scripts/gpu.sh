@@ -373,7 +373,7 @@ if has flash || has serve || has spec; then
       --parts decode,aggregate --depths 4096 --batches 16,64 --batch-depth 4096 --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_nomtp.log" | cut -d'|' -f3-6
   fi
-  # MTP speculation's parts at 43 layers: plain step, verify k = 1..4, draft, rollback copies.
+  # MTP speculation's parts at 43 layers: plain step, verify k = 1..4, draft, rollback (rewind).
   if has spec && [ -f "$flash" ]; then
     step dsv4_spec 150 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" --parts spec \
       --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"

@@ -131,10 +131,17 @@ enum SeqField : int {
 
 // Fixed-size per-sequence state in one tensor for every cache slot: slot s owns rows
 // [s * rows_per_slot, (s + 1) * rows_per_slot) of `data` (F32 [slots * rows_per_slot, width]).
-// Window rings (row = position mod window) and compressor states are kept this way.
+// Window rings and compressor states are kept this way, each as a ring of positions:
+// position p's row is p mod rows_per_slot. rows_per_slot is at least the span the
+// operation reads (the window; overlap * ratio); the cache keeps a few rows more, so a
+// sequence can be rewound by a few tokens without copies (model/kv_cache.h, rewind).
 struct SlotRows {
   Tensor data;
   int64_t rows_per_slot = 0;
+  // Row of position `pos` (may be negative: a block's missing previous half) in `slot`.
+  int64_t ring_row(int64_t slot, int64_t pos) const {
+    return slot * rows_per_slot + ((pos % rows_per_slot) + rows_per_slot) % rows_per_slot;
+  }
 };
 
 // Rows that grow with a sequence (compressed KV entries, indexer keys), in fixed-size pages
@@ -276,16 +283,18 @@ class Backend {
   virtual Status attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
                            const Tensor& sink, float scale, const Tensor& out) = 0;
   // Window ring update after attention: each sequence's last min(rows, window) rows of
-  // `kv` (F32 [n, d]) are written to its ring at slot position mod window.
+  // `kv` (F32 [n, d]) are written to its ring (ring.ring_row; rows_per_slot >= window).
   virtual Status store_window(const Tensor& kv, const StepRows& rows, int64_t window,
                               const SlotRows& ring) = 0;
 
   // Compressor (spec §3.3): feeds every row's kv and score (F32 [n, overlap*w]; score
-  // without APE) at its position into its sequence's state (state_kv, state_score:
-  // [slots * overlap*ratio, overlap*w]). A row whose position closes a block
-  // (position % ratio == ratio - 1) writes that block's pooled (pre-norm) entry to
-  // pooled[row] (F32 [n, w]); other rows of `pooled` are left as they were.
-  // ape F32 [ratio, overlap*w].
+  // without APE, the state keeps it with APE) at its position into its sequence's state (state_kv, state_score:
+  // [slots * rows_per_slot, overlap*w], rows_per_slot >= overlap*ratio, one ring row per
+  // position). A row whose position t closes a block (t % ratio == ratio - 1) writes the
+  // pooled (pre-norm) entry of positions t + 1 - overlap*ratio .. t to pooled[row]
+  // (F32 [n, w]): with overlap the previous block's first halves, then this block's second
+  // halves; positions before the sequence's first hold the empty state (score -inf). Other
+  // rows of `pooled` are left as they were. ape F32 [ratio, overlap*w].
   virtual Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio,
                           bool overlap, const StepRows& rows, const SlotRows& state_kv,
                           const SlotRows& state_score, const Tensor& pooled) = 0;

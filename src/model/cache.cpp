@@ -14,6 +14,13 @@ Result<CachePlan> CachePlan::compute(const ModelConfig& config, uint64_t context
   CacheLayout layout = plan_cache_layout(config, CacheFormat::F32);
   if (!with_mtp) layout.blocks.resize(config.n_layers);  // trunk blocks come first
   CachePlan plan{layout.totals_at(context, page_rows), context, page_rows ? page_rows : 1};
+  // The cache manager's rings of positions keep kRewindTokens rows more than the layout.
+  for (const BlockCache& b : layout.blocks) {
+    if (b.window_slots) plan.windows += b.window_bytes / b.window_slots * kRewindTokens;
+    const uint64_t overlap = config.is_v41() ? 1 : config.compressor_overlap(b.block);
+    if (const uint64_t state_rows = overlap * b.ratio; state_rows && (b.compressor_state_bytes || b.indexer_state_bytes))
+      plan.compressor_states += (b.compressor_state_bytes + b.indexer_state_bytes) / state_rows * kRewindTokens;
+  }
   return plan;
 }
 

@@ -23,9 +23,16 @@ namespace dsv4 {
 
 class KvCache;
 
+// Tokens a sequence can be taken back without copies (KvCache::rewind; speculative
+// decoding's rejected drafts, at most 4 a step): every window ring and compressor state
+// is a ring of positions with this many rows more than the model reads, so the rows the
+// rewound positions still need are never overwritten by the tokens taken back.
+inline constexpr int64_t kRewindTokens = 4;
+
 // Bytes of each part of one sequence's cache after `context` tokens: the F32 cache
-// layout's totals (windows and compressor states fixed; CSA entries, indexer keys and
-// HCA entries growing with the tokens, in whole pages of `page_rows` rows).
+// layout's totals (windows and compressor states fixed, each with its kRewindTokens rows;
+// CSA entries, indexer keys and HCA entries growing with the tokens, in whole pages of
+// `page_rows` rows).
 struct CachePlan : CacheTotals {
   uint64_t context = 0;
   uint64_t page_rows = 1;

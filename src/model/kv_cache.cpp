@@ -44,8 +44,9 @@ KvCacheBytes KvCache::plan_bytes(const ModelConfig& c, const ModelPlan& plan, co
   KvCacheBytes b;
   const uint64_t slots = o.max_sequences, P = std::max<uint32_t>(o.page_rows, 1);
   const uint64_t max_context = o.max_context ? std::min<uint64_t>(o.max_context, c.context_length) : c.context_length;
-  b.slots = slots * plan.n_rings * plan.window * plan.ring_width * sizeof(float);
-  for (const CompressorStatePlan& s : plan.states) b.slots += 2 * slots * s.rows * s.cols * sizeof(float);
+  b.slots = slots * plan.n_rings * (plan.window + kRewindTokens) * plan.ring_width * sizeof(float);
+  for (const CompressorStatePlan& s : plan.states)
+    b.slots += 2 * slots * (s.rows + kRewindTokens) * s.cols * sizeof(float);
   std::map<uint32_t, uint64_t> full_pages;
   for (const CacheListPlan& l : plan.lists) {
     const uint64_t max_pages =
@@ -89,22 +90,24 @@ Result<std::unique_ptr<KvCache>> KvCache::create(const ModelConfig& c, const Mod
   std::unique_ptr<KvCache> kc(new KvCache(plan, be));
   kc->options_ = o;
   kc->max_context_ = o.max_context ? std::min<uint64_t>(o.max_context, c.context_length) : c.context_length;
-  kc->window_ = plan.window;
+  kc->ring_rows_ = plan.window + kRewindTokens;
   const int64_t slots = o.max_sequences, P = o.page_rows;
 
   for (uint32_t r = 0; r < plan.n_rings; ++r) {
-    DSV4_ASSIGN_OR_RETURN(Tensor t, be.reserve(GgmlType::F32, shape2(slots * plan.window, plan.ring_width)));
+    DSV4_ASSIGN_OR_RETURN(Tensor t, be.reserve(GgmlType::F32, shape2(slots * kc->ring_rows_, plan.ring_width)));
     kc->rings_.push_back(t);
   }
   for (const CompressorStatePlan& s : plan.states) {
-    DSV4_ASSIGN_OR_RETURN(Tensor kv, be.reserve(GgmlType::F32, shape2(slots * s.rows, s.cols)));
-    DSV4_ASSIGN_OR_RETURN(Tensor score, be.reserve(GgmlType::F32, shape2(slots * s.rows, s.cols)));
+    const int64_t rows = int64_t{s.rows} + kRewindTokens;
+    DSV4_ASSIGN_OR_RETURN(Tensor kv, be.reserve(GgmlType::F32, shape2(slots * rows, s.cols)));
+    DSV4_ASSIGN_OR_RETURN(Tensor score, be.reserve(GgmlType::F32, shape2(slots * rows, s.cols)));
     kc->states_kv_.push_back(kv);
     kc->states_score_.push_back(score);
-    kc->state_rows_.push_back(s.rows);
+    kc->state_rows_.push_back(rows);
   }
-  kc->fixed_bytes_ = uint64_t{plan.n_rings} * plan.window * plan.ring_width * sizeof(float);
-  for (const CompressorStatePlan& s : plan.states) kc->fixed_bytes_ += 2ull * s.rows * s.cols * sizeof(float);
+  kc->fixed_bytes_ = uint64_t{plan.n_rings} * kc->ring_rows_ * plan.ring_width * sizeof(float);
+  for (int64_t s = 0; s < static_cast<int64_t>(plan.states.size()); ++s)
+    kc->fixed_bytes_ += 2ull * kc->state_rows_[s] * plan.states[s].cols * sizeof(float);
 
   // Page tables, and the pages every slot needs at the full context per width.
   std::map<uint32_t, int64_t> full_pages;  // width -> pages for all slots at max_context
@@ -314,7 +317,7 @@ void KvCache::detach(Sequence& seq) {
 Status KvCache::fork(const Sequence& seq, Sequence& copy) {
   DSV4_TRY(attach(copy));
   for (size_t r = 0; r < rings_.size(); ++r)
-    DSV4_TRY(be_.copy_rows(rings_[r].slice(seq.slot_ * window_, window_), rings_[r].slice(copy.slot_ * window_, window_)));
+    DSV4_TRY(be_.copy_rows(rings_[r].slice(seq.slot_ * ring_rows_, ring_rows_), rings_[r].slice(copy.slot_ * ring_rows_, ring_rows_)));
   for (size_t s = 0; s < states_kv_.size(); ++s) {
     const int64_t rows = state_rows_[s];
     DSV4_TRY(be_.copy_rows(states_kv_[s].slice(seq.slot_ * rows, rows), states_kv_[s].slice(copy.slot_ * rows, rows)));
@@ -428,7 +431,7 @@ Status KvCache::fill_random(Sequence& seq, int64_t position, uint64_t seed) {
     return be_.upload(t, host.data(), host.size() * sizeof(float));
   };
   uint64_t part = 0;  // each part of the slot gets its own key
-  for (const Tensor& r : rings_) DSV4_TRY(fill(r.slice(seq.slot_ * window_, window_), mix_keys(seed, ++part)));
+  for (const Tensor& r : rings_) DSV4_TRY(fill(r.slice(seq.slot_ * ring_rows_, ring_rows_), mix_keys(seed, ++part)));
   for (size_t s = 0; s < states_kv_.size(); ++s) {
     const int64_t rows = state_rows_[s];
     DSV4_TRY(fill(states_kv_[s].slice(seq.slot_ * rows, rows), mix_keys(seed, ++part)));
@@ -454,8 +457,8 @@ Result<SlotSnapshot> KvCache::snapshot(const Sequence& seq) {
   snap.context = seq.plan_.context;
   snap.engram_history = seq.engram_history_;
   for (const Tensor& r : rings_) {
-    std::vector<float> host(static_cast<size_t>(window_ * r.cols()));
-    DSV4_TRY(be_.download(r.slice(seq.slot_ * window_, window_), host.data(), host.size() * sizeof(float)));
+    std::vector<float> host(static_cast<size_t>(ring_rows_ * r.cols()));
+    DSV4_TRY(be_.download(r.slice(seq.slot_ * ring_rows_, ring_rows_), host.data(), host.size() * sizeof(float)));
     snap.rings.push_back(std::move(host));
   }
   for (size_t s = 0; s < states_kv_.size(); ++s) {
@@ -478,16 +481,24 @@ Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
                           "cache restore: snapshot at position {} does not fit a sequence at position {} "
                           "(first position {})", snap.position, seq.position_, seq.window_start_);
   for (size_t r = 0; r < rings_.size(); ++r)
-    DSV4_TRY(be_.upload(rings_[r].slice(seq.slot_ * window_, window_), snap.rings[r].data(),
+    DSV4_TRY(be_.upload(rings_[r].slice(seq.slot_ * ring_rows_, ring_rows_), snap.rings[r].data(),
                         snap.rings[r].size() * sizeof(float)));
   for (size_t s = 0; s < states_kv_.size(); ++s) {
     const int64_t rows = state_rows_[s], n = rows * states_kv_[s].cols();
     DSV4_TRY(be_.upload(states_kv_[s].slice(seq.slot_ * rows, rows), snap.states[s].data(), n * sizeof(float)));
     DSV4_TRY(be_.upload(states_score_[s].slice(seq.slot_ * rows, rows), snap.states[s].data() + n, n * sizeof(float)));
   }
+  drop_pages_past(seq, snap.position);
+  seq.position_ = snap.position;
+  seq.engram_history_ = snap.engram_history;
+  seq.mtp_position_ = snap.mtp_position;
+  return Status::ok();
+}
+
+void KvCache::drop_pages_past(Sequence& seq, int64_t position) {
   for (size_t l = 0; l < seq.pages_.size(); ++l) {
     const int32_t list = static_cast<int32_t>(l);
-    const size_t keep = static_cast<size_t>(ceil_div(rows_at(list, snap.position), pools_[tables_[l].pool]->page_rows));
+    const size_t keep = static_cast<size_t>(ceil_div(rows_at(list, position), pools_[tables_[l].pool]->page_rows));
     std::vector<int32_t>& pages = seq.pages_[l];
     for (size_t i = keep; i < pages.size(); ++i) {
       drop_page(list, pages[i]);
@@ -495,9 +506,27 @@ Status KvCache::restore(Sequence& seq, const SlotSnapshot& snap) {
     }
     if (pages.size() > keep) pages.resize(keep);
   }
-  seq.position_ = snap.position;
-  seq.engram_history_ = snap.engram_history;
-  seq.mtp_position_ = snap.mtp_position;
+}
+
+Status KvCache::rewind(Sequence& seq, int64_t position, int64_t mtp_position) {
+  if (seq.cache_ != this) return Status::error(StatusCode::kInternal, "cache: sequence from another cache");
+  if (plan_.v41)
+    return Status::error("cache rewind: a V4.1 sequence keeps an n-gram history on the host; use snapshot and restore");
+  const auto check = [&](const char* what, int64_t to, int64_t from, int64_t first) -> Status {
+    if (to > from || from - to > kRewindTokens || to < first)
+      return Status::errorf(StatusCode::kOutOfRange,
+                            "cache rewind: {} {} from {} (at most {} back, not before position {})", what, to, from,
+                            kRewindTokens, first);
+    return Status::ok();
+  };
+  DSV4_TRY(check("position", position, seq.position_, seq.window_start_));
+  DSV4_TRY(check("MTP position", mtp_position, seq.mtp_position_, 0));
+  if (mtp_position > position)
+    return Status::errorf(StatusCode::kOutOfRange, "cache rewind: MTP position {} past the position {}", mtp_position,
+                          position);
+  drop_pages_past(seq, position);
+  seq.position_ = position;
+  seq.mtp_position_ = mtp_position;
   return Status::ok();
 }
 
@@ -514,7 +543,7 @@ Status KvCache::restore_mtp(Sequence& seq, const SlotSnapshot& snap) {
     if (l.ratio)  // no such checkpoint: V4's MTP blocks attend over their window only
       return Status::error("cache restore: an MTP block with a compressor is not rewound separately");
     if (l.ring < 0) continue;
-    DSV4_TRY(be_.upload(rings_[l.ring].slice(seq.slot_ * window_, window_), snap.rings[l.ring].data(),
+    DSV4_TRY(be_.upload(rings_[l.ring].slice(seq.slot_ * ring_rows_, ring_rows_), snap.rings[l.ring].data(),
                         snap.rings[l.ring].size() * sizeof(float)));
   }
   seq.mtp_position_ = snap.mtp_position;
@@ -591,23 +620,57 @@ Result<std::vector<uint8_t>> KvCache::export_state(const Sequence& seq) {
   StateWriter w;
   w.bytes(kStateMagic, sizeof kStateMagic);
   w.i64(static_cast<int64_t>(rings_.size()));
-  w.i64(window_);
+  w.i64(ring_rows_);
   w.i64(static_cast<int64_t>(states_kv_.size()));
   w.i64(static_cast<int64_t>(plan_.lists.size()));
   w.i64(seq.position_);
   w.i64(seq.mtp_position_);
-  for (const Tensor& r : rings_) {
+  // Canonical bytes (V4): rows of positions outside [lo, hi) as a fresh slot has them. The
+  // rows are copied out first: the state's bytes need not be aligned for floats.
+  const auto canonical = [&](uint8_t* bytes, int64_t rows, int64_t cols, int64_t lo, int64_t hi, float fresh) {
+    if (plan_.v41) return;
+    std::vector<char> live(static_cast<size_t>(rows), 0);
+    // Negative positions (a first block's missing previous half) are fresh rows anyway.
+    for (int64_t p = std::max<int64_t>({lo, hi - rows, 0}); p < hi; ++p) live[static_cast<size_t>(p % rows)] = 1;
+    const std::vector<float> fill(static_cast<size_t>(cols), fresh);
+    for (int64_t r = 0; r < rows; ++r)
+      if (!live[static_cast<size_t>(r)]) std::memcpy(bytes + r * cols * sizeof(float), fill.data(), cols * sizeof(float));
+  };
+  std::vector<const LayerPlan*> ring_layer(rings_.size(), nullptr), state_layer(states_kv_.size(), nullptr);
+  for (const LayerPlan& l : plan_.layers) {
+    if (l.ring >= 0) ring_layer.at(l.ring) = &l;
+    if (l.kv_state >= 0) state_layer.at(l.kv_state) = &l;
+    if (l.key_state >= 0) state_layer.at(l.key_state) = &l;
+  }
+  const int64_t window = plan_.window;
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    const Tensor& r = rings_[i];
     w.i64(r.cols());
-    const size_t n = static_cast<size_t>(window_ * r.cols()) * sizeof(float);
-    DSV4_TRY(be_.download(r.slice(seq.slot_ * window_, window_), w.grow(n), n));
+    const size_t n = static_cast<size_t>(ring_rows_ * r.cols()) * sizeof(float);
+    uint8_t* out = w.grow(n);  // valid until the next grow
+    DSV4_TRY(be_.download(r.slice(seq.slot_ * ring_rows_, ring_rows_), out, n));
+    // A step at position p reads the window positions p - window .. p - 1 (a draft block
+    // reads `window` of them; a token row one fewer).
+    const int64_t at = ring_layer[i] && ring_layer[i]->mtp ? seq.mtp_position_ : seq.position_;
+    canonical(out, ring_rows_, r.cols(), at - window, at, 0.0f);
   }
   for (size_t s = 0; s < states_kv_.size(); ++s) {
-    const int64_t rows = state_rows_[s];
+    const int64_t rows = state_rows_[s], cols = states_kv_[s].cols();
     w.i64(rows);
-    w.i64(states_kv_[s].cols());
-    const size_t n = static_cast<size_t>(rows * states_kv_[s].cols()) * sizeof(float);
-    DSV4_TRY(be_.download(states_kv_[s].slice(seq.slot_ * rows, rows), w.grow(n), n));
-    DSV4_TRY(be_.download(states_score_[s].slice(seq.slot_ * rows, rows), w.grow(n), n));
+    w.i64(cols);
+    const size_t n = static_cast<size_t>(rows * cols) * sizeof(float);
+    const size_t at = w.out.size();
+    w.grow(2 * n);
+    uint8_t* kv = w.out.data() + at;
+    uint8_t* score = kv + n;
+    DSV4_TRY(be_.download(states_kv_[s].slice(seq.slot_ * rows, rows), kv, n));
+    DSV4_TRY(be_.download(states_score_[s].slice(seq.slot_ * rows, rows), score, n));
+    // The open block's pool reads positions from its start, less a block with overlap.
+    const LayerPlan* l = state_layer[s];
+    if (!l || l->ratio <= 0) continue;
+    const int64_t p = seq.position_, lo = p - p % l->ratio - (l->overlap ? l->ratio : 0);
+    canonical(kv, rows, cols, lo, p, 0.0f);
+    canonical(score, rows, cols, lo, p, -std::numeric_limits<float>::infinity());
   }
   for (size_t l = 0; l < plan_.lists.size(); ++l) {
     const int32_t list = static_cast<int32_t>(l);
@@ -629,7 +692,7 @@ Status KvCache::import_state(Sequence& seq, std::span<const uint8_t> bytes) {
   if (std::memcmp(magic, kStateMagic, sizeof kStateMagic) != 0)
     return Status::error("sequence state: not a dsv4 sequence state of this version (bad magic)");
   DSV4_TRY(r.expect(static_cast<int64_t>(rings_.size()), "the window ring count"));
-  DSV4_TRY(r.expect(window_, "the window length"));
+  DSV4_TRY(r.expect(ring_rows_, "the window length"));
   DSV4_TRY(r.expect(static_cast<int64_t>(states_kv_.size()), "the compressor state count"));
   DSV4_TRY(r.expect(static_cast<int64_t>(plan_.lists.size()), "the cache list count"));
   DSV4_ASSIGN_OR_RETURN(int64_t position, r.i64("the position"));
@@ -643,7 +706,7 @@ Status KvCache::import_state(Sequence& seq, std::span<const uint8_t> bytes) {
   const size_t body = r.at;
   for (const Tensor& ring : rings_) {
     DSV4_TRY(r.expect(ring.cols(), "a window ring's width"));
-    DSV4_TRY(r.take(static_cast<size_t>(window_ * ring.cols()) * sizeof(float), "a window ring").status());
+    DSV4_TRY(r.take(static_cast<size_t>(ring_rows_ * ring.cols()) * sizeof(float), "a window ring").status());
   }
   for (size_t s = 0; s < states_kv_.size(); ++s) {
     DSV4_TRY(r.expect(state_rows_[s], "a compressor state's rows"));
@@ -665,8 +728,8 @@ Status KvCache::import_state(Sequence& seq, std::span<const uint8_t> bytes) {
   r.at = body;
   for (const Tensor& ring : rings_) {
     r.at += sizeof(int64_t);
-    const size_t n = static_cast<size_t>(window_ * ring.cols()) * sizeof(float);
-    DSV4_TRY(be_.upload(ring.slice(seq.slot_ * window_, window_), *r.take(n, "a window ring"), n));
+    const size_t n = static_cast<size_t>(ring_rows_ * ring.cols()) * sizeof(float);
+    DSV4_TRY(be_.upload(ring.slice(seq.slot_ * ring_rows_, ring_rows_), *r.take(n, "a window ring"), n));
   }
   for (size_t s = 0; s < states_kv_.size(); ++s) {
     r.at += 2 * sizeof(int64_t);

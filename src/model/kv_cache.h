@@ -1,8 +1,11 @@
 // The cache manager: owns every sequence's decode state for one model on one backend and
 // hands the forward pass views of it (backend.h's SlotRows, PagedRows).
 //
-//   rings    one per block: [slots * window, head_dim], slot s's window at rows s*window..
-//   states   one per compressor (ModelPlan::states): kv and score [slots * rows, cols]
+//   rings    one per block: [slots * ring_rows, head_dim], slot s's ring at rows
+//            s*ring_rows..; position p at row p mod ring_rows (ring_rows = window +
+//            kRewindTokens, cache.h)
+//   states   one per compressor (ModelPlan::states): kv and score [slots * rows, cols],
+//            rows = overlap * ratio + kRewindTokens, also one row per position
 //   lists    one per growing list (ModelPlan::lists): rows in pages of `page_rows` rows
 //            from a pool shared by every list of the same width; per list a page table
 //            I32 [slots, max_pages] (-1 = no page) mirrored on the host.
@@ -71,7 +74,7 @@ class KvCache {
   uint64_t fixed_bytes_per_slot() const { return fixed_bytes_; }
 
   // Views for a step (valid for the cache's lifetime).
-  backend::SlotRows ring(int32_t id) const { return {rings_.at(id), window_}; }
+  backend::SlotRows ring(int32_t id) const { return {rings_.at(id), ring_rows_}; }
   backend::SlotRows state_kv(int32_t id) const { return {states_kv_.at(id), state_rows_.at(id)}; }
   backend::SlotRows state_score(int32_t id) const { return {states_score_.at(id), state_rows_.at(id)}; }
   backend::PagedRows list(int32_t id) const;
@@ -100,10 +103,20 @@ class KvCache {
   Status restore(Sequence& seq, const SlotSnapshot& snap);
   // Restores only the MTP blocks' rings and the MTP position (snap at or below it).
   Status restore_mtp(Sequence& seq, const SlotSnapshot& snap);
+  // Takes seq back to `position` and its MTP blocks to `mtp_position`, each at most
+  // kRewindTokens back and not before the sequence's first position, without copying
+  // anything: the rings keep every row the kept positions read (cache.h), rows past the
+  // new positions are never read again, and pages past them are released. The
+  // continuation is bit-identical to a sequence that never went further, and so is its
+  // exported state. V4.1 sequences (an n-gram history on the host) are refused.
+  Status rewind(Sequence& seq, int64_t position, int64_t mtp_position);
 
   // seq's whole state as bytes: a header naming the cache's shape and the position, then
   // every ring and compressor state of its slot and every row its lists hold. A grafted
-  // sequence is refused (its rows below the footprint belong to the bank).
+  // sequence is refused (its rows below the footprint belong to the bank). The bytes are
+  // canonical: ring and state rows that no later step reads (older positions, positions
+  // taken back by rewind) are written as a fresh slot has them (V4: window rows zero,
+  // state rows kv 0 and score -inf), so two sequences that continue alike export alike.
   Result<std::vector<uint8_t>> export_state(const Sequence& seq);
   // Loads such bytes into a freshly attached seq (position 0): the header is checked
   // against this cache before anything is committed, pages are committed as prepare()
@@ -127,13 +140,14 @@ class KvCache {
   int64_t rows_at(int32_t list, int64_t position) const;
   void set_page(int32_t list, uint32_t slot, size_t index, int32_t page);
   Status reset_states(uint32_t slot);
+  void drop_pages_past(Sequence& seq, int64_t position);
   Status write_rows(const Sequence& seq, int32_t list, int64_t begin, int64_t count, const float* rows);
 
   const ModelPlan& plan_;
   backend::Backend& be_;
   KvCacheOptions options_;
   uint64_t max_context_ = 0;
-  int64_t window_ = 0;
+  int64_t ring_rows_ = 0;  // window + kRewindTokens rows per slot (a ring of positions)
   uint64_t fixed_bytes_ = 0;
   std::vector<backend::Tensor> rings_;
   std::vector<backend::Tensor> states_kv_, states_score_;

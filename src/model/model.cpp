@@ -249,6 +249,11 @@ Result<std::vector<std::vector<float>>> Model::gather_engram(const std::vector<S
   return rows;
 }
 
+Status Model::rewind(Sequence& seq, int64_t position, int64_t mtp_position) const {
+  if (seq.cache_ != cache_.get()) return Status::error("rewind: the sequence belongs to another model");
+  return cache_->rewind(seq, position, mtp_position);
+}
+
 Status Model::restore_mtp(Sequence& seq, const SequenceSnapshot& snap) const {
   if (seq.cache_ != cache_.get()) return Status::error("restore_mtp: the sequence belongs to another model");
   if (!snap.valid()) return Status::error("restore_mtp: an empty snapshot");

@@ -198,6 +198,12 @@ class Model {
   // the snapshot, which must be at or below seq's MTP position; the trunk is untouched
   // (speculative decoding drops its chained drafts' MTP rows this way).
   Status restore_mtp(Sequence& seq, const SequenceSnapshot& snap) const;
+  // Takes seq back to `position` (trunk) and `mtp_position` (MTP blocks), each at most
+  // kRewindTokens (cache.h) back, without copies: speculative decoding's rollback of
+  // rejected drafts (KvCache::rewind). The continuation and the exported state are
+  // bit-identical to a sequence that never went further. Not for V4.1 (an n-gram history).
+  Status rewind(Sequence& seq, int64_t position, int64_t mtp_position) const;
+  bool can_rewind() const { return !plan_.v41; }
 
   // Benchmarks only: moves an empty sequence to `position` without computing anything, so
   // later steps cost what they cost at that context depth: its cache pages through

@@ -140,6 +140,10 @@ Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector
   std::vector<std::vector<int32_t>> drafts(n);
   std::vector<std::vector<std::vector<double>>> q(n);
   std::vector<std::vector<float>> chain(n);  // the MTP block's output streams of the last draft
+  // Rollback: without copies where the model allows it (Model::rewind: back to the kept
+  // positions and to the MTP position after the true pairs), else by snapshot and replay.
+  const bool rewind = model_.can_rewind();
+  std::vector<int64_t> mtp_mark(n, 0);
   std::vector<SequenceSnapshot> snaps(n);
   int max_k = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -193,7 +197,10 @@ Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector
       if (j == 1) {  // the true pairs are in; the rest of the step is undone from here
         seqs[i]->mtp_streams.clear();
         seqs[i]->mtp_tokens.clear();
-        DSV4_ASSIGN_OR_RETURN(snaps[i], model_.snapshot(*seqs[i]->sequence));
+        mtp_mark[i] = seqs[i]->sequence->mtp_position();
+        if (!rewind) {
+          DSV4_ASSIGN_OR_RETURN(snaps[i], model_.snapshot(*seqs[i]->sequence));
+        }
       }
     }
   }
@@ -222,12 +229,20 @@ Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector
     emitted[i] = speculative_accept(drafts[i], q[i], p, uniform);
     const int a = static_cast<int>(emitted[i].size()) - 1;
 
-    if (k[i] > 0 && a < k[i]) {  // rejected drafts: back to the snapshot, the kept tokens again
-      DSV4_TRY(model_.restore(*s.sequence, snaps[i]));
-      kept[i].assign(inputs[i].begin(), inputs[i].begin() + a + 1);
-      replay.push_back({.sequence = s.sequence, .tokens = kept[i]});
+    if (k[i] > 0 && a < k[i]) {  // rejected drafts: back to the kept positions
+      if (rewind) {
+        DSV4_TRY(model_.rewind(*s.sequence, base[i] + a + 1, mtp_mark[i]));
+      } else {  // back to the snapshot, the kept tokens again
+        DSV4_TRY(model_.restore(*s.sequence, snaps[i]));
+        kept[i].assign(inputs[i].begin(), inputs[i].begin() + a + 1);
+        replay.push_back({.sequence = s.sequence, .tokens = kept[i]});
+      }
     } else if (k[i] > 1) {  // all accepted: only the chained drafts' MTP rows go
-      DSV4_TRY(model_.restore_mtp(*s.sequence, snaps[i]));
+      if (rewind) {
+        DSV4_TRY(model_.rewind(*s.sequence, s.sequence->position(), mtp_mark[i]));
+      } else {
+        DSV4_TRY(model_.restore_mtp(*s.sequence, snaps[i]));
+      }
     }
     // The MTP block's next true pairs: streams at P .. P + a with the token after each.
     // (Appended: a sequence at k = 0 did not feed its earlier ones.)

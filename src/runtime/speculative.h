@@ -10,11 +10,15 @@
 //             are the distributions of one Sampler's settings (runtime/sampler.h) on the
 //             trunk's and the MTP block's logits, so every token is distributed as p.
 //
-// Rollback (first correct version): each step snapshots the sequence (Model::snapshot,
-// after the MTP block has taken the step's true inputs); when a draft is rejected it
-// restores the snapshot and feeds the kept tokens again (bit-identical: results do not
-// depend on chunking), and when every draft is accepted only the MTP block's rows of the
-// chained drafts are rewound (Model::restore_mtp). The MTP block takes the kept
+// Rollback without copies (Model::rewind): the caches keep kRewindTokens more rows than
+// the model reads (model/cache.h), so after the verify forward the sequence is simply
+// taken back to its kept positions (the rejected rows are never read again, compressed
+// rows they completed are dropped with their pages) and its MTP blocks to their position
+// after the step's true inputs (the chained drafts' rows). No copy, no second forward, no
+// device work. V4.1 models (an n-gram history on the host) keep the first version: a
+// snapshot after the MTP block has taken the true inputs, restored on a rejection, then
+// the kept tokens fed again (bit-identical: results do not depend on chunking), and
+// Model::restore_mtp when every draft is accepted. The MTP block takes the kept
 // positions' (trunk streams, next token) pairs at the start of the next step, together
 // with that step's first draft.
 //

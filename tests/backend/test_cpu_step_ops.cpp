@@ -132,66 +132,72 @@ TEST_F(CpuStepOps, AttentionOverRingChunkAndPagedEntries) {
   const std::vector<SeqDesc> seqs = {{2, 0, 5}, {0, 13, 4}, {3, 30, 1}, {1, 7, 9}};
   const StepRows rows = step(seqs, 2);
   const int64_t n = rows.n;
-  const auto q = randn(n * heads * d, 0.5f), chunk = randn(n * d), ring = randn(slots * win * d), sink = randn(heads);
-  Paged entries = paged(slots, 40 / ratio, d, page_rows);
-  const float scale = 1 / std::sqrt(float(d));
-  for (bool csa : {false, true}) {
-    AttentionKeys keys;
-    keys.window = win;
-    keys.ring = {f32({slots * win, d}, ring), win};
-    keys.chunk = f32({n, d}, chunk);
-    keys.ratio = ratio;
-    keys.entries = entries.view;
-    std::vector<int32_t> sel;
-    const int64_t k = 3;
-    const auto pos = read_i32(rows.positions), rs = read_i32(rows.row_seq);
-    if (csa) {  // a random ascending subset of each row's visible entries
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t vis = rs[r] < 0 ? 0 : (pos[r] + 1) / ratio;
-        std::vector<int32_t> all(vis);
-        std::iota(all.begin(), all.end(), 0);
-        std::shuffle(all.begin(), all.end(), rng_);
-        all.resize(std::min<int64_t>(vis, k));
-        std::sort(all.begin(), all.end());
-        all.resize(k, -1);
-        sel.insert(sel.end(), all.begin(), all.end());
-      }
-      keys.selected = i32({n, k}, sel);
-    }
-    Tensor out = poisoned({n, heads * d});
-    const Status st = be_.attention(f32({n, heads * d}, q), keys, rows, f32({heads}, sink), scale, out);
-    ASSERT_TRUE(st.is_ok()) << st.message();
-
-    std::vector<double> want(n * heads * d, 0.0);
-    for (int64_t r = 0; r < n; ++r) {
-      if (rs[r] < 0) continue;  // padding: zeros
-      const SeqDesc& sq = seqs[rs[r]];
-      const int64_t row0 = rows.n ? std::accumulate(seqs.begin(), seqs.begin() + rs[r], int64_t{0},
-                                                    [](int64_t a, const SeqDesc& s) { return a + s.n; })
-                                  : 0;
-      std::vector<const float*> ks;
-      for (int64_t p = std::max<int64_t>(0, pos[r] - win + 1); p <= pos[r]; ++p)
-        ks.push_back(p >= sq.pos0 ? &chunk[(row0 + p - sq.pos0) * d] : &ring[(sq.slot * win + p % win) * d]);
-      if (csa) {
-        for (int64_t j = 0; j < k; ++j)
-          if (sel[r * k + j] >= 0) ks.push_back(entries.rows[sq.slot][sel[r * k + j]].data());
-      } else {
-        for (int64_t e = 0; e < (pos[r] + 1) / ratio; ++e) ks.push_back(entries.rows[sq.slot][e].data());
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        std::vector<double> l(ks.size());
-        double denom = std::exp(double(sink[h]));
-        for (size_t j = 0; j < ks.size(); ++j) {
-          double dot = 0;
-          for (int64_t c = 0; c < d; ++c) dot += double(q[(r * heads + h) * d + c]) * ks[j][c];
-          l[j] = dot * scale;
-          denom += std::exp(l[j]);
+  // Rings of exactly the window and of 4 rows more (the cache's rewind rows): position p at row p mod ring_rows.
+  for (const int64_t ring_rows : {win, win + 4}) {
+    SCOPED_TRACE(::testing::Message() << "ring rows " << ring_rows);
+    const auto q = randn(n * heads * d, 0.5f), chunk = randn(n * d), ring = randn(slots * ring_rows * d),
+               sink = randn(heads);
+    Paged entries = paged(slots, 40 / ratio, d, page_rows);
+    const float scale = 1 / std::sqrt(float(d));
+    for (bool csa : {false, true}) {
+      AttentionKeys keys;
+      keys.window = win;
+      keys.ring = {f32({slots * ring_rows, d}, ring), ring_rows};
+      keys.chunk = f32({n, d}, chunk);
+      keys.ratio = ratio;
+      keys.entries = entries.view;
+      std::vector<int32_t> sel;
+      const int64_t k = 3;
+      const auto pos = read_i32(rows.positions), rs = read_i32(rows.row_seq);
+      if (csa) {  // a random ascending subset of each row's visible entries
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t vis = rs[r] < 0 ? 0 : (pos[r] + 1) / ratio;
+          std::vector<int32_t> all(vis);
+          std::iota(all.begin(), all.end(), 0);
+          std::shuffle(all.begin(), all.end(), rng_);
+          all.resize(std::min<int64_t>(vis, k));
+          std::sort(all.begin(), all.end());
+          all.resize(k, -1);
+          sel.insert(sel.end(), all.begin(), all.end());
         }
-        for (size_t j = 0; j < ks.size(); ++j)
-          for (int64_t c = 0; c < d; ++c) want[(r * heads + h) * d + c] += std::exp(l[j]) / denom * ks[j][c];
+        keys.selected = i32({n, k}, sel);
       }
+      Tensor out = poisoned({n, heads * d});
+      const Status st = be_.attention(f32({n, heads * d}, q), keys, rows, f32({heads}, sink), scale, out);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+
+      std::vector<double> want(n * heads * d, 0.0);
+      for (int64_t r = 0; r < n; ++r) {
+        if (rs[r] < 0) continue;  // padding: zeros
+        const SeqDesc& sq = seqs[rs[r]];
+        const int64_t row0 = rows.n ? std::accumulate(seqs.begin(), seqs.begin() + rs[r], int64_t{0},
+                                                      [](int64_t a, const SeqDesc& s) { return a + s.n; })
+                                    : 0;
+        std::vector<const float*> ks;
+        for (int64_t p = std::max<int64_t>(0, pos[r] - win + 1); p <= pos[r]; ++p)
+          ks.push_back(p >= sq.pos0 ? &chunk[(row0 + p - sq.pos0) * d]
+                                    : &ring[(sq.slot * ring_rows + p % ring_rows) * d]);
+        if (csa) {
+          for (int64_t j = 0; j < k; ++j)
+            if (sel[r * k + j] >= 0) ks.push_back(entries.rows[sq.slot][sel[r * k + j]].data());
+        } else {
+          for (int64_t e = 0; e < (pos[r] + 1) / ratio; ++e) ks.push_back(entries.rows[sq.slot][e].data());
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          std::vector<double> l(ks.size());
+          double denom = std::exp(double(sink[h]));
+          for (size_t j = 0; j < ks.size(); ++j) {
+            double dot = 0;
+            for (int64_t c = 0; c < d; ++c) dot += double(q[(r * heads + h) * d + c]) * ks[j][c];
+            l[j] = dot * scale;
+            denom += std::exp(l[j]);
+          }
+          for (size_t j = 0; j < ks.size(); ++j)
+            for (int64_t c = 0; c < d; ++c) want[(r * heads + h) * d + c] += std::exp(l[j]) / denom * ks[j][c];
+        }
+      }
+      expect_close(read(out), want, 1e-5, csa ? "attention, selected entries" : "attention, every entry");
     }
-    expect_close(read(out), want, 1e-5, csa ? "attention, selected entries" : "attention, every entry");
   }
 }
 
@@ -199,33 +205,39 @@ TEST_F(CpuStepOps, StoreWindowKeepsEachSequencesLastWindow) {
   const int64_t d = 8, win = 5, slots = 3;
   const std::vector<SeqDesc> seqs = {{1, 3, 2}, {2, 10, 12}, {0, 0, 5}};
   const StepRows rows = step(seqs, 1);
-  const auto kv = randn(rows.n * d), before = randn(slots * win * d);
-  SlotRows ring{f32({slots * win, d}, before), win};
-  ASSERT_TRUE(be_.store_window(f32({rows.n, d}, kv), rows, win, ring).is_ok());
-  std::vector<double> want(before.begin(), before.end());
-  int64_t row0 = 0;
-  for (const SeqDesc& s : seqs) {
-    for (int64_t i = std::max<int64_t>(0, s.n - win); i < s.n; ++i)
-      for (int64_t c = 0; c < d; ++c) want[(s.slot * win + (s.pos0 + i) % win) * d + c] = kv[(row0 + i) * d + c];
-    row0 += s.n;
+  for (const int64_t ring_rows : {win, win + 4}) {  // the cache's rings have 4 rows more
+    SCOPED_TRACE(::testing::Message() << "ring rows " << ring_rows);
+    const auto kv = randn(rows.n * d), before = randn(slots * ring_rows * d);
+    SlotRows ring{f32({slots * ring_rows, d}, before), ring_rows};
+    ASSERT_TRUE(be_.store_window(f32({rows.n, d}, kv), rows, win, ring).is_ok());
+    std::vector<double> want(before.begin(), before.end());
+    int64_t row0 = 0;
+    for (const SeqDesc& s : seqs) {
+      for (int64_t i = std::max<int64_t>(0, s.n - win); i < s.n; ++i)
+        for (int64_t c = 0; c < d; ++c)
+          want[(s.slot * ring_rows + (s.pos0 + i) % ring_rows) * d + c] = kv[(row0 + i) * d + c];
+      row0 += s.n;
+    }
+    const auto got = read(ring.data);
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], static_cast<float>(want[i])) << i;
   }
-  const auto got = read(ring.data);
-  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], static_cast<float>(want[i])) << i;
 }
 
 // The whole-sequence definition of the compressor (spec §3.3) against the streaming
-// operation fed in random chunk sizes, two sequences per step in different slots.
+// operation fed in random chunk sizes, two sequences per step in different slots; states of
+// exactly overlap * ratio rows per slot and of 4 more (the cache's rewind rows).
 TEST_F(CpuStepOps, CompressorStreamsExactlyPerSequence) {
-  for (int ratio : {4, 16}) {
+  for (const auto& [ratio, extra] : {std::pair{4, 0}, std::pair{16, 0}, std::pair{4, 4}, std::pair{16, 4}}) {
+    SCOPED_TRACE(::testing::Message() << "ratio " << ratio << ", extra rows " << extra);
     const bool overlap = ratio == 4;
     const int o = overlap ? 2 : 1;
-    const int64_t w = 8, total = 9 * ratio + 3, slots = 3;
+    const int64_t w = 8, total = 9 * ratio + 3, slots = 3, per_slot = o * ratio + extra;
     const int32_t slot_of[2] = {2, 0};
     std::vector<float> kv[2], score[2];
     for (int s = 0; s < 2; ++s) kv[s] = randn(total * o * w), score[s] = randn(total * o * w);
     const auto ape = randn(ratio * o * w);
-    SlotRows skv{f32({slots * o * ratio, o * w}, std::vector<float>(slots * o * ratio * o * w, 0)), o * ratio};
-    SlotRows ssc{f32({slots * o * ratio, o * w}, std::vector<float>(slots * o * ratio * o * w, -kInf)), o * ratio};
+    SlotRows skv{f32({slots * per_slot, o * w}, std::vector<float>(slots * per_slot * o * w, 0)), per_slot};
+    SlotRows ssc{f32({slots * per_slot, o * w}, std::vector<float>(slots * per_slot * o * w, -kInf)), per_slot};
     std::vector<float> got[2];
     std::uniform_int_distribution<int64_t> len(1, 2 * ratio + 1);
     int64_t at[2] = {0, 0};

@@ -248,6 +248,8 @@ struct AttnCase {
   int64_t padding;
   int32_t slots;
   float q_sd = 1.0f;
+  int64_t ring_extra = 0;  // ring rows per slot beyond the window (the cache's rewind rows)
+  int64_t ring_rows() const { return window + ring_extra; }
 };
 
 struct AttnData {
@@ -264,7 +266,7 @@ AttnData make_attention(const AttnCase& c, std::mt19937_64& rng) {
   const int64_t n = a.st.n, hd = int64_t{c.heads} * c.d;
   a.q = dsv4::test::random_normal(n * hd, rng, c.q_sd);
   a.chunk = dsv4::test::random_normal(n * c.d, rng);
-  a.ring = dsv4::test::random_normal(c.slots * c.window * c.d, rng);
+  a.ring = dsv4::test::random_normal(c.slots * c.ring_rows() * c.d, rng);
   a.sink = dsv4::test::random_normal(c.heads, rng);
   a.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
   if (c.ratio) a.entries = make_paged(c.slots, a.st.max_end / c.ratio + 1, c.d, 64, rng);
@@ -291,7 +293,7 @@ std::vector<float> attention_on(Backend& be, const AttnCase& c, const AttnData& 
   const int64_t n = a.st.n, hd = int64_t{c.heads} * c.d;
   AttentionKeys keys;
   keys.window = c.window;
-  keys.ring = {on.f32({c.slots * c.window, c.d}, a.ring), c.window};
+  keys.ring = {on.f32({c.slots * c.ring_rows(), c.d}, a.ring), c.ring_rows()};
   keys.chunk = on.f32({n, c.d}, a.chunk);
   keys.ratio = c.ratio;
   if (c.ratio) keys.entries = on.paged(a.entries);
@@ -314,6 +316,7 @@ std::vector<float> attention_raw(const AttnCase& c, const AttnData& a, Attention
   args.chunk = dev.rows(a.chunk, c.d);
   args.ring = dev.rows(a.ring, c.d);
   args.window = c.window;
+  args.ring_rows = c.ring_rows();
   args.ratio = c.ratio;
   if (c.ratio) args.entries = dev.paged(a.entries);
   if (c.csa) {
@@ -354,6 +357,9 @@ std::vector<AttnCase> attention_cases() {
       {"width 384", 16, 384, 16, 4, false, 0, {{0, 50, 3}}, 1, 1},
       // Decode rows with 20,000 and 6,250 entries: key lists split over many blocks.
       {"long hca decode", 64, 512, 128, 16, false, 0, {{1, 320015, 1}, {0, 100000, 1}}, 0, 2},
+      // The cache's rings: window + 4 rows per slot (position p at row p mod 132 / 12).
+      {"flash csa ring rows", 64, 512, 128, 4, true, 512, {{3, 5000, 5}, {0, 100, 2}, {1, 0, 3}}, 2, 4, 1.0f, 4},
+      {"tiny hca ring rows", 4, 256, 8, 16, false, 0, {{1, 60, 5}, {0, 0, 9}, {2, 33, 1}}, 2, 3, 1.0f, 4},
   };
 }
 
@@ -399,32 +405,36 @@ TEST(CudaAttentionOps, StoreWindowBlockPositionsAndEntries) {
   const int32_t slots = 4;
   const int ratio = 4;
   const HostStep st = make_step({{1, 3, 2}, {2, 10, 300}, {0, 0, 128}, {3, 77, 1}}, 2);
-  const auto kv = dsv4::test::random_normal(st.n * d, rng), ring0 = dsv4::test::random_normal(slots * win * d, rng);
-  const HostPaged dst = make_paged(slots, st.max_end / ratio + 1, w, 64, rng);
-  const auto pooled = dsv4::test::random_normal(st.n * w, rng);
+  for (const int64_t ring_rows : {win, win + 4}) {  // also the cache's rings of window + 4 rows
+    SCOPED_TRACE("ring rows " + std::to_string(ring_rows));
+    const auto kv = dsv4::test::random_normal(st.n * d, rng),
+               ring0 = dsv4::test::random_normal(slots * ring_rows * d, rng);
+    const HostPaged dst = make_paged(slots, st.max_end / ratio + 1, w, 64, rng);
+    const auto pooled = dsv4::test::random_normal(st.n * w, rng);
 
-  CpuBackend cpu;
-  const On c{cpu};
-  SlotRows ring_c{c.f32({slots * win, d}, ring0), win};
-  const StepRows rows_c = c.step(st);
-  ASSERT_TRUE(cpu.store_window(c.f32({st.n, d}, kv), rows_c, win, ring_c).is_ok());
-  Tensor first_c = c.i32({st.n}, std::vector<int32_t>(st.n, -7));
-  ASSERT_TRUE(cpu.block_positions(rows_c, ratio, first_c).is_ok());
-  PagedRows dst_c = c.paged(dst);
-  ASSERT_TRUE(cpu.store_entries(c.f32({st.n, w}, pooled), ratio, rows_c, dst_c).is_ok());
+    CpuBackend cpu;
+    const On c{cpu};
+    SlotRows ring_c{c.f32({slots * ring_rows, d}, ring0), ring_rows};
+    const StepRows rows_c = c.step(st);
+    ASSERT_TRUE(cpu.store_window(c.f32({st.n, d}, kv), rows_c, win, ring_c).is_ok());
+    Tensor first_c = c.i32({st.n}, std::vector<int32_t>(st.n, -7));
+    ASSERT_TRUE(cpu.block_positions(rows_c, ratio, first_c).is_ok());
+    PagedRows dst_c = c.paged(dst);
+    ASSERT_TRUE(cpu.store_entries(c.f32({st.n, w}, pooled), ratio, rows_c, dst_c).is_ok());
 
-  Dev dev;
-  const cuda::StepMeta m = dev.step(st);
-  const cuda::DeviceRows ring_g = dev.rows(ring0, d);
-  ASSERT_OK(cuda::store_window(dev.rows(kv, d), m, win, ring_g, nullptr));
-  int32_t* first_g = dev.put(std::vector<int32_t>(st.n, -7));
-  ASSERT_OK(cuda::block_positions(m, ratio, first_g, nullptr));
-  const cuda::DevicePaged dst_g = dev.paged(dst);
-  ASSERT_OK(cuda::store_entries(dev.rows(pooled, w), ratio, m, dst_g, nullptr));
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(identical(Dev::get(ring_g.data, ring0.size()), c.read(ring_c.data), d, "store_window ring"));
-  EXPECT_TRUE(identical(Dev::get(first_g, st.n), c.read_i32(first_c), 1, "block_positions"));
-  EXPECT_TRUE(identical(Dev::get(dst_g.pool.data, dst.pool.size()), c.read(dst_c.pool), w, "store_entries pool"));
+    Dev dev;
+    const cuda::StepMeta m = dev.step(st);
+    const cuda::DeviceRows ring_g = dev.rows(ring0, d);
+    ASSERT_OK(cuda::store_window(dev.rows(kv, d), m, win, ring_g, nullptr, ring_rows));
+    int32_t* first_g = dev.put(std::vector<int32_t>(st.n, -7));
+    ASSERT_OK(cuda::block_positions(m, ratio, first_g, nullptr));
+    const cuda::DevicePaged dst_g = dev.paged(dst);
+    ASSERT_OK(cuda::store_entries(dev.rows(pooled, w), ratio, m, dst_g, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(identical(Dev::get(ring_g.data, ring0.size()), c.read(ring_c.data), d, "store_window ring"));
+    EXPECT_TRUE(identical(Dev::get(first_g, st.n), c.read_i32(first_c), 1, "block_positions"));
+    EXPECT_TRUE(identical(Dev::get(dst_g.pool.data, dst.pool.size()), c.read(dst_c.pool), w, "store_entries pool"));
+  }
 }
 
 // ---- compressor ------------------------------------------------------------------------------
@@ -433,6 +443,7 @@ struct CompressCase {
   int ratio;
   bool overlap;
   int64_t w;
+  int64_t extra = 0;  // state rows per slot beyond overlap * ratio (the cache's rewind rows)
 };
 
 // Feeds three sequences (slots 2, 0, 4 of 5; slots 1 and 3 must stay untouched) through
@@ -442,10 +453,10 @@ struct CompressCase {
 template <class RunStep>
 void compressor_streams(const CompressCase& cc, uint64_t seed, RunStep run) {
   SCOPED_TRACE("compress ratio " + std::to_string(cc.ratio) + (cc.overlap ? " overlap" : " plain") + " w " +
-               std::to_string(cc.w) + ", seed " + std::to_string(seed));
+               std::to_string(cc.w) + " extra rows " + std::to_string(cc.extra) + ", seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int o = cc.overlap ? 2 : 1, R = cc.ratio;
-  const int64_t wide = o * cc.w, slots = 5, state_rows = slots * o * R;
+  const int64_t wide = o * cc.w, slots = 5, per_slot = o * R + cc.extra, state_rows = slots * per_slot;
   const int32_t slot_of[3] = {2, 0, 4};
   const int64_t start[3] = {0, R + R / 2 + 1, 2 * R - 1};
   const int64_t total = 6 * R + 5;
@@ -459,14 +470,14 @@ void compressor_streams(const CompressCase& cc, uint64_t seed, RunStep run) {
   std::vector<float> ssc = dsv4::test::random_normal(state_rows * wide, rng);
   for (int s = 0; s < 3; ++s)  // a sequence that starts at 0 finds no previous block
     if (start[s] == 0)
-      for (int64_t r = 0; r < o * R; ++r)
+      for (int64_t r = 0; r < per_slot; ++r)
         for (int64_t c = 0; c < wide; ++c) {
-          skv[(slot_of[s] * o * R + r) * wide + c] = 0.0f;
-          ssc[(slot_of[s] * o * R + r) * wide + c] = -kInf;
+          skv[(slot_of[s] * per_slot + r) * wide + c] = 0.0f;
+          ssc[(slot_of[s] * per_slot + r) * wide + c] = -kInf;
         }
   CpuBackend cpu;
   const On c{cpu};
-  SlotRows skv_c{c.f32({state_rows, wide}, skv), o * R}, ssc_c{c.f32({state_rows, wide}, ssc), o * R};
+  SlotRows skv_c{c.f32({state_rows, wide}, skv), per_slot}, ssc_c{c.f32({state_rows, wide}, ssc), per_slot};
   const Tensor ape_c = c.f32({R, wide}, ape);
   std::vector<float> skv_g = skv, ssc_g = ssc;  // the GPU's state, carried from step to step on the host
   int64_t at[3] = {0, 0, 0};
@@ -510,7 +521,9 @@ void compressor_streams(const CompressCase& cc, uint64_t seed, RunStep run) {
   EXPECT_GE(step_no, 3);
 }
 
-const CompressCase kCompressCases[] = {{4, true, 512}, {4, true, 128}, {16, false, 64}, {128, false, 512}};
+const CompressCase kCompressCases[] = {{4, true, 512},     {4, true, 128},      {16, false, 64},
+                                       {128, false, 512},  {4, true, 128, 4},   {16, false, 64, 4},
+                                       {128, false, 64, 4}};
 
 TEST(CudaAttentionOps, CompressorMatchesCpuStepByStep) {
   int i = 0;
@@ -529,6 +542,7 @@ TEST(CudaAttentionOps, CompressorMatchesCpuStepByStep) {
                          a.overlap = overlap;
                          a.state_kv = dev.rows(skv, wide);
                          a.state_score = dev.rows(ssc, wide);
+                         a.state_rows = static_cast<int64_t>(skv.size()) / wide / 5;  // 5 slots
                          a.pooled = dev.rows(pooled, w);
                          ASSERT_OK(cuda::compress(a, dev.step(st), nullptr));
                          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -818,7 +832,8 @@ TEST_F(CudaBackendAttention, WindowEntriesAndCompressorMatchCpu) {
   const int64_t d = 256, win = 16;
   const int32_t slots = 3;
   const HostStep st = make_step({{1, 3, 2}, {2, 10, 40}, {0, 0, 16}}, 1);
-  const auto kv = dsv4::test::random_normal(st.n * d, rng), ring0 = dsv4::test::random_normal(slots * win * d, rng);
+  const int64_t ring_rows = win + 4;  // the cache's rings (window + kRewindTokens rows)
+  const auto kv = dsv4::test::random_normal(st.n * d, rng), ring0 = dsv4::test::random_normal(slots * ring_rows * d, rng);
   const HostPaged dst = make_paged(slots, st.max_end / 4 + 1, d, 8, rng);
   std::vector<std::vector<float>> rings;
   std::vector<std::vector<int32_t>> firsts;
@@ -826,7 +841,7 @@ TEST_F(CudaBackendAttention, WindowEntriesAndCompressorMatchCpu) {
   for (Backend* be : {static_cast<Backend*>(&cpu_), static_cast<Backend*>(gpu_.get())}) {
     const On on{*be};
     const StepRows rows = on.step(st);
-    SlotRows ring{on.f32({slots * win, d}, ring0), win};
+    SlotRows ring{on.f32({slots * ring_rows, d}, ring0), ring_rows};
     ASSERT_TRUE(be->store_window(on.f32({st.n, d}, kv), rows, win, ring).is_ok());
     Tensor first = on.i32({st.n}, std::vector<int32_t>(st.n, -7));
     ASSERT_TRUE(be->block_positions(rows, 4, first).is_ok());
@@ -848,7 +863,7 @@ TEST_F(CudaBackendAttention, WindowEntriesAndCompressorMatchCpu) {
                            std::vector<float>& ssc, std::vector<float>& pooled) {
                          const On on{*gpu_};
                          const int64_t wide = static_cast<int64_t>(ape.size()) / R, w = overlap ? wide / 2 : wide;
-                         const int64_t rows_per_slot = (overlap ? 2 : 1) * R;
+                         const int64_t rows_per_slot = static_cast<int64_t>(skv.size()) / wide / 5;  // 5 slots
                          SlotRows skv_t{on.f32({static_cast<int64_t>(skv.size()) / wide, wide}, skv), rows_per_slot};
                          SlotRows ssc_t{on.f32({static_cast<int64_t>(ssc.size()) / wide, wide}, ssc), rows_per_slot};
                          Tensor pooled_t = on.f32({hs.n, w}, pooled);

@@ -149,12 +149,14 @@ TEST_F(ForwardInvariance, CachePlanAndLimits) {
   auto plan = CachePlan::compute(c, 100, false);
   ASSERT_TRUE(plan.is_ok());
   // Tiny: 6 layers x window 8 x 256 fp32; CSA layers 1, 3 (25 entries + 25 keys each);
-  // HCA layers 2, 4 (6 entries each); states: CSA 2 x (8x512 + 8x256) x 2 x 4 B, HCA 2 x 16x256 x 2 x 4 B.
-  EXPECT_EQ(plan->windows, 6u * 8 * 256 * 4);
+  // HCA layers 2, 4 (6 entries each); states: CSA 2 x (8x512 + 8x256) x 2 x 4 B, HCA 2 x 16x256 x 2 x 4 B;
+  // every window and state with kRewindTokens (4) rows more.
+  static_assert(kRewindTokens == 4);
+  EXPECT_EQ(plan->windows, 6u * (8 + 4) * 256 * 4);
   EXPECT_EQ(plan->csa_entries, 2u * 25 * 256 * 4);
   EXPECT_EQ(plan->index_keys, 2u * 25 * 128 * 4);
   EXPECT_EQ(plan->hca_entries, 2u * 6 * 256 * 4);
-  EXPECT_EQ(plan->compressor_states, 2u * (8 * 512 + 8 * 256) * 2 * 4 + 2u * 16 * 256 * 2 * 4);
+  EXPECT_EQ(plan->compressor_states, 2u * ((8 + 4) * 512 + (8 + 4) * 256) * 2 * 4 + 2u * (16 + 4) * 256 * 2 * 4);
   EXPECT_EQ(plan->total(), plan->fixed() + plan->csa_entries + plan->index_keys + plan->hca_entries);
 
   SequenceOptions too_long;

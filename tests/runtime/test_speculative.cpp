@@ -180,6 +180,75 @@ TEST_F(Speculative, RollbackLeavesTheCacheAsAFreshRun) {
   }
 }
 
+// The rollback speculative decoding uses (Model::rewind, no copies): one forward of m
+// tokens (k + 1 <= 5: `keep` true ones, then m - keep rejected ones) and up to 3 chained
+// MTP rows, then the sequence is taken back to the kept positions and the MTP position
+// before the chain. Its exported state equals a fresh run's, and so does the next step's
+// output, for prompts ending at every offset of a 16-token compression block (and so of
+// the 4-token one) and across the 8-token window's wraps.
+TEST_F(Speculative, RewindLeavesTheCacheAsAFreshRun) {
+  ASSERT_TRUE(model_->can_rewind());
+  const std::vector<int32_t> t = tokens(64, 11);
+  const std::vector<float> s = streams(64, 12);
+  const size_t width = model_->config().hc_mult * model_->config().hidden;
+  int cases = 0;
+  for (size_t L = 33; L < 33 + 16; ++L) {
+    for (size_t m = 1; m <= 5; ++m) {
+      const size_t keep = 1 + (L + m) % m;  // 1 .. m: the pending token is always kept
+      const size_t chained = std::min<size_t>(m - 1, 3);
+      SCOPED_TRACE(::testing::Message() << "L " << L << " fed " << m << " kept " << keep << " chained " << chained);
+      auto fresh = sequence();
+      forward(*fresh, std::span(t).first(L + keep));
+      mtp(*fresh, std::span(s).first(L * width), std::span(t).subspan(1, L));
+
+      auto seq = sequence();
+      forward(*seq, std::span(t).first(L));
+      mtp(*seq, std::span(s).first(L * width), std::span(t).subspan(1, L));
+      std::vector<int32_t> fed(t.begin() + L, t.begin() + L + keep);
+      const std::vector<int32_t> other = tokens(m - keep, 200 + L * 8 + m);  // the rejected drafts
+      fed.insert(fed.end(), other.begin(), other.end());
+      if (chained) mtp(*seq, streams(chained, 13 + m), tokens(chained, 300 + L));
+      forward(*seq, fed);
+      ASSERT_TRUE(model_->rewind(*seq, static_cast<int64_t>(L + keep), static_cast<int64_t>(L)).is_ok());
+      EXPECT_EQ(seq->position(), static_cast<int64_t>(L + keep));
+      EXPECT_EQ(seq->mtp_position(), static_cast<int64_t>(L));
+      EXPECT_TRUE(state(*seq) == state(*fresh));
+      // The continuation: the next two trunk steps and one MTP row, bit for bit.
+      for (Sequence* q : {seq.get(), fresh.get()}) ASSERT_EQ(q->position(), static_cast<int64_t>(L + keep));
+      auto a = model_->prefill(*seq, std::span(t).subspan(L + keep, 2));
+      auto b = model_->prefill(*fresh, std::span(t).subspan(L + keep, 2));
+      ASSERT_TRUE(a.is_ok() && b.is_ok());
+      EXPECT_TRUE(*a == *b);
+      const MtpItem ia{seq.get(), std::span(s).subspan(L * width, width), std::span(t).subspan(L + 1, 1)};
+      const MtpItem ib{fresh.get(), std::span(s).subspan(L * width, width), std::span(t).subspan(L + 1, 1)};
+      auto da = model_->mtp(std::span<const MtpItem>(&ia, 1));
+      auto db = model_->mtp(std::span<const MtpItem>(&ib, 1));
+      ASSERT_TRUE(da.is_ok() && db.is_ok());
+      EXPECT_TRUE(*da == *db);
+      ++cases;
+    }
+  }
+  EXPECT_EQ(cases, 16 * 5);
+}
+
+// Rewind takes back at most kRewindTokens tokens, never past the start or the trunk.
+TEST_F(Speculative, RewindRefusesWhatItCannotTakeBack) {
+  const std::vector<int32_t> t = tokens(20, 14);
+  const std::vector<float> s = streams(20, 15);
+  const size_t width = model_->config().hc_mult * model_->config().hidden;
+  auto seq = sequence();
+  forward(*seq, std::span(t).first(12));
+  mtp(*seq, std::span(s).first(10 * width), std::span(t).subspan(1, 10));
+  const auto bytes = state(*seq);
+  EXPECT_EQ(model_->rewind(*seq, 12 - kRewindTokens - 1, 10).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(model_->rewind(*seq, 13, 10).code(), StatusCode::kOutOfRange);                 // forward
+  EXPECT_EQ(model_->rewind(*seq, 12, 10 - kRewindTokens - 1).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(model_->rewind(*seq, 9, 10).code(), StatusCode::kOutOfRange);                  // MTP past the trunk
+  EXPECT_TRUE(state(*seq) == bytes) << "a refused rewind changes nothing";
+  ASSERT_TRUE(model_->rewind(*seq, 12 - kRewindTokens, 10 - kRewindTokens + 2).is_ok());
+  EXPECT_EQ(seq->position(), 12 - kRewindTokens);
+}
+
 // Every draft accepted: only the MTP block's chained rows are rewound.
 TEST_F(Speculative, MtpOnlyRollbackLeavesTheTrunkAndRewindsTheMtpBlock) {
   const std::vector<int32_t> t = tokens(48, 3);

@@ -379,7 +379,7 @@ float fp8_block_scale(const float* block, int64_t n) {
 
 // Overwrites one value of block `block`'s window KV at `position` in seq's window ring,
 // through the cache manager's snapshot and restore (the ring row of a position is
-// position % window); `was` gets the value it replaces. Everything else is written back
+// position mod the ring rows); `was` gets the value it replaces. Everything else is written back
 // unchanged.
 Status set_window_kv(const Model& m, Sequence& seq, uint32_t block, int64_t position, int64_t dim, float value,
                      float* was) {
@@ -388,7 +388,8 @@ Status set_window_kv(const Model& m, Sequence& seq, uint32_t block, int64_t posi
   if (ring < 0 || dim < 0 || position >= seq.position() || position < seq.position() - window || dim >= width)
     return Status::errorf("set_window_kv: block {} position {} dim {} is not in the window", block, position, dim);
   DSV4_ASSIGN_OR_RETURN(SlotSnapshot snap, m.cache().snapshot(seq));
-  float& slot = snap.rings.at(static_cast<size_t>(ring)).at(static_cast<size_t>((position % window) * width + dim));
+  const int64_t ring_rows = m.cache().ring(ring).rows_per_slot;  // a ring of positions
+  float& slot = snap.rings.at(static_cast<size_t>(ring)).at(static_cast<size_t>((position % ring_rows) * width + dim));
   *was = slot;
   slot = value;
   return m.cache().restore(seq, snap);

@@ -122,6 +122,15 @@ Status expect_slots(const SlotRows& r, const char* op, const char* arg, int64_t 
   return Status::ok();
 }
 
+// A ring of positions (backend.h): at least `min_rows` rows per slot.
+Status expect_ring(const SlotRows& r, const char* op, const char* arg, int64_t min_rows, int64_t width) {
+  if (!r.data.valid() || r.data.type != GgmlType::F32 || r.rows_per_slot < std::max<int64_t>(min_rows, 1) ||
+      r.data.cols() != width || r.data.rows() % r.rows_per_slot)
+    return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected at least {} x {}", op, arg,
+                          r.data.describe(), r.rows_per_slot, min_rows, width);
+  return Status::ok();
+}
+
 bool slot_ok(const SlotRows& r, int32_t slot) { return slot >= 0 && (int64_t{slot} + 1) * r.rows_per_slot <= r.data.rows(); }
 
 }  // namespace
@@ -486,7 +495,7 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
   DSV4_TRY(expect(q, "attention", "q", GgmlType::F32, n, n_heads * d));
   DSV4_TRY(expect(sink, "attention", "sink", GgmlType::F32, -1, n_heads));
   DSV4_TRY(expect(out, "attention", "out", GgmlType::F32, n, n_heads * d));
-  DSV4_TRY(expect_slots(keys.ring, "attention", "ring", win, d));
+  DSV4_TRY(expect_ring(keys.ring, "attention", "ring", win, d));
   const bool selected = keys.selected.valid();
   if (keys.ratio) DSV4_TRY(expect_paged(keys.entries, "attention", d));
   if (selected) DSV4_TRY(expect(keys.selected, "attention", "selected", GgmlType::I32, n, -1));
@@ -526,12 +535,12 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
       key_rows.clear();
       if (keys.draft_block) {  // the ring up to the block, then the whole block (non-causal)
         for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], first_pos - win); p < first_pos; ++p)
-          key_rows.push_back(f32_row(keys.ring.data, slot * win + p % win));
+          key_rows.push_back(f32_row(keys.ring.data, keys.ring.ring_row(slot, p)));
         for (int64_t i = 0; i < sq[kSeqRows]; ++i) key_rows.push_back(f32_row(keys.chunk, first_row + i));
       } else {
         for (int64_t p = std::max<int64_t>(sq[kSeqWindowStart], t - win + 1); p <= t; ++p)
           key_rows.push_back(p >= first_pos ? f32_row(keys.chunk, first_row + (p - first_pos))
-                                            : f32_row(keys.ring.data, slot * win + p % win));
+                                            : f32_row(keys.ring.data, keys.ring.ring_row(slot, p)));
       }
       if (keys.ratio) {
         if (selected) {
@@ -555,7 +564,7 @@ Status CpuBackend::store_window(const Tensor& kv, const StepRows& rows, int64_t 
   const int64_t d = kv.cols();
   DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "store_window"));
   DSV4_TRY(expect(kv, "store_window", "kv", GgmlType::F32, rows.n, -1));
-  DSV4_TRY(expect_slots(ring, "store_window", "ring", window, d));
+  DSV4_TRY(expect_ring(ring, "store_window", "ring", window, d));
   for (int64_t s = 0; s < v.n_seqs; ++s) {
     const int32_t* f = v.seq(s);
     if (!slot_ok(ring, f[kSeqSlot]))
@@ -563,7 +572,7 @@ Status CpuBackend::store_window(const Tensor& kv, const StepRows& rows, int64_t 
     // The ring keeps the sequence's last `window` positions.
     for (int64_t i = std::max<int64_t>(0, f[kSeqRows] - window); i < f[kSeqRows]; ++i) {
       const int64_t pos = f[kSeqFirstPos] + i;
-      std::copy_n(f32_row(kv, f[kSeqFirstRow] + i), d, f32_row(ring.data, f[kSeqSlot] * window + pos % window));
+      std::copy_n(f32_row(kv, f[kSeqFirstRow] + i), d, f32_row(ring.data, ring.ring_row(f[kSeqSlot], pos)));
     }
   }
   return Status::ok();
@@ -579,34 +588,33 @@ Status CpuBackend::compress(const Tensor& kv, const Tensor& score, const Tensor&
   DSV4_TRY(expect(kv, "compress", "kv", GgmlType::F32, n, o * w));
   DSV4_TRY(expect(score, "compress", "score", GgmlType::F32, n, o * w));
   DSV4_TRY(expect(ape, "compress", "ape", GgmlType::F32, ratio, o * w));
-  DSV4_TRY(expect_slots(state_kv, "compress", "state_kv", o * ratio, o * w));
-  DSV4_TRY(expect_slots(state_score, "compress", "state_score", o * ratio, o * w));
+  DSV4_TRY(expect_ring(state_kv, "compress", "state_kv", o * ratio, o * w));
+  DSV4_TRY(expect_slots(state_score, "compress", "state_score", state_kv.rows_per_slot, o * w));
   DSV4_TRY(expect(pooled, "compress", "pooled", GgmlType::F32, n, w));
   for (int64_t s = 0; s < v.n_seqs; ++s)
     if (!slot_ok(state_kv, v.seq(s)[kSeqSlot]) || !slot_ok(state_score, v.seq(s)[kSeqSlot]))
       return Status::errorf(StatusCode::kInternal, "compress: slot {} outside the states", v.seq(s)[kSeqSlot]);
-  const int64_t cur = overlap ? ratio : 0;  // first state row of the open block
-  // Sequences are independent; each one's rows feed its state in position order.
+  // Sequences are independent; each one's rows feed its state in position order, one ring
+  // row per position, so a closed block's rows stay where they are (no shifting).
   pool_->parallel_for(v.n_seqs, [&](int64_t sb, int64_t se, int) {
     for (int64_t sq = sb; sq < se; ++sq) {
       const int32_t* f = v.seq(sq);
-      const int64_t base = int64_t{f[kSeqSlot]} * o * ratio;
-      const auto kv_row = [&](int64_t r) { return f32_row(state_kv.data, base + r); };
-      const auto score_row = [&](int64_t r) { return f32_row(state_score.data, base + r); };
+      const int32_t slot_id = f[kSeqSlot];
       for (int64_t i = 0; i < f[kSeqRows]; ++i) {
-        const int64_t row = f[kSeqFirstRow] + i, slot = (f[kSeqFirstPos] + i) % ratio;
-        float* sk = kv_row(cur + slot);
-        float* ss = score_row(cur + slot);
-        const float* a = f32_row(ape, slot);
+        const int64_t row = f[kSeqFirstRow] + i, pos = f[kSeqFirstPos] + i, res = pos % ratio;
+        float* sk = f32_row(state_kv.data, state_kv.ring_row(slot_id, pos));
+        float* ss = f32_row(state_score.data, state_score.ring_row(slot_id, pos));
+        const float* a = f32_row(ape, res);
         std::copy(f32_row(kv, row), f32_row(kv, row) + wide, sk);
         for (int64_t c = 0; c < wide; ++c) ss[c] = f32_row(score, row)[c] + a[c];
-        if (slot != ratio - 1) continue;
+        if (res != ratio - 1) continue;
+        // Pooled slot j is position pos + 1 - o * ratio + j.
+        const int64_t first = pos + 1 - int64_t{o} * ratio;
+        const auto kv_row = [&](int64_t j) { return f32_row(state_kv.data, state_kv.ring_row(slot_id, first + j)); };
+        const auto score_row = [&](int64_t j) {
+          return f32_row(state_score.data, state_score.ring_row(slot_id, first + j));
+        };
         cpu::pool_block(kv_row, score_row, ratio, overlap, w, f32_row(pooled, row));
-        if (overlap)  // the closed block becomes the previous block of the next entry
-          for (int64_t r = 0; r < ratio; ++r) {
-            std::copy(kv_row(cur + r), kv_row(cur + r) + wide, kv_row(r));
-            std::copy(score_row(cur + r), score_row(cur + r) + wide, score_row(r));
-          }
       }
     }
   });

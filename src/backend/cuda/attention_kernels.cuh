@@ -109,9 +109,10 @@ __device__ __forceinline__ const float* key_row(const AttentionArgs& a, const St
       *kind = kKeyValid;
       return row_ptr(a.chunk, row);
     }
-    if (k.sq.slot < 0 || (int64_t{k.sq.slot} + 1) * a.window > a.ring.rows) return nullptr;
+    const int64_t M = a.ring_rows > 0 ? a.ring_rows : a.window;
+    if (k.sq.slot < 0 || (int64_t{k.sq.slot} + 1) * M > a.ring.rows) return nullptr;
     *kind = kKeyValid;
-    return row_ptr(a.ring, int64_t{k.sq.slot} * a.window + pos % a.window);
+    return row_ptr(a.ring, int64_t{k.sq.slot} * M + pos % M);
   }
   const int64_t j = i - k.nw;
   int64_t e = k.first + j;
@@ -380,33 +381,34 @@ __global__ void attention_combine_kernel(const AttentionKernelArgs p) {
 // ---- window ring ---------------------------------------------------------------------------
 
 // Block (bx, s): sequence s's row rows-1-bx, when it is among the last `window` rows.
-__global__ void store_window_kernel(const DeviceRows kv, const StepMeta m, int64_t window, const DeviceRows ring) {
+// Ring rows per slot: ring_rows (>= window).
+__global__ void store_window_kernel(const DeviceRows kv, const StepMeta m, int64_t ring_rows, const DeviceRows ring) {
   const Seq sq = load_seq(m.seqs, blockIdx.y);
   const int64_t i = int64_t{sq.rows} - 1 - blockIdx.x;
-  if (i < 0 || sq.slot < 0 || (int64_t{sq.slot} + 1) * window > ring.rows) return;
+  if (i < 0 || sq.slot < 0 || (int64_t{sq.slot} + 1) * ring_rows > ring.rows) return;
   const int64_t src_row = sq.first_row + i;
   if (src_row < 0 || src_row >= kv.rows) return;
   const float* src = row_ptr(kv, src_row);
-  float* dst = row_ptr(ring, int64_t{sq.slot} * window + (sq.first_pos + i) % window);
+  float* dst = row_ptr(ring, int64_t{sq.slot} * ring_rows + (sq.first_pos + i) % ring_rows);
   for (int64_t c = threadIdx.x; c < ring.cols; c += blockDim.x) dst[c] = src[c];
 }
 
 // ---- compressor (spec §3.3) ----------------------------------------------------------------
 //
-// The CPU feeds a sequence's rows one by one into its state and pools when a block closes.
-// Here every closing row pools at once from where its slots' values are at that moment:
-// positions of this step come from the chunk (score + APE computed exactly as the CPU
-// stores it), earlier positions from the state as the step found it. A second kernel then
-// leaves the state as the sequential loop would.
+// The CPU feeds a sequence's rows one by one into its state (a ring of positions) and pools
+// when a block closes. Here every closing row pools at once from where its positions' values
+// are at that moment: positions of this step come from the chunk (score + APE computed
+// exactly as the CPU stores it), earlier positions from the state as the step found it. A
+// second kernel then leaves the state as the sequential loop would.
 
 struct CompressKernelArgs {
-  CompressArgs a;
+  CompressArgs a;  // state_rows set (compress() resolves 0)
   StepMeta m;
 };
 
 // Block per row; a row that closes a block (position % ratio == ratio - 1) writes
-// pooled[row][c] = sum_j softmax_j(z_j[c]) v_j[c] over the block's slots, in the CPU's order
-// (max, then the sum of exponentials, then the weighted sum).
+// pooled[row][c] = sum_j softmax_j(z_j[c]) v_j[c] over positions pos + 1 - o*R + j, in the
+// CPU's order (max, then the sum of exponentials, then the weighted sum).
 __global__ void compress_pool_kernel(const CompressKernelArgs p) {
   const CompressArgs& a = p.a;
   const int r = blockIdx.x;
@@ -418,32 +420,22 @@ __global__ void compress_pool_kernel(const CompressKernelArgs p) {
   const int R = a.ratio, o = a.overlap ? 2 : 1;
   const int64_t pos = sq.first_pos + i;
   if (pos % R != R - 1) return;
-  const int64_t w = a.pooled.cols;
+  const int64_t w = a.pooled.cols, M = a.state_rows;
   float* out = row_ptr(a.pooled, r);
-  const int64_t base = int64_t{sq.slot} * o * R;
-  if (sq.slot < 0 || base + int64_t{o} * R > a.state_kv.rows || base + int64_t{o} * R > a.state_score.rows) {
+  const int64_t base = int64_t{sq.slot} * M;
+  if (sq.slot < 0 || base + M > a.state_kv.rows || base + M > a.state_score.rows) {
     for (int64_t c = threadIdx.x; c < w; c += blockDim.x) out[c] = NAN;
     return;
   }
-  const int64_t b = pos / R, b0 = sq.first_pos / R;
+  const int64_t first = pos + 1 - int64_t{o} * R;
   const int slots = o * R;
   for (int64_t c = threadIdx.x; c < w; c += blockDim.x) {
-    // Slot j's (score, value): overlap slots 0..R-1 are block b-1's first halves, R..2R-1
-    // block b's second halves; plain slots are block b's R tokens.
+    // Slot j's (score, value): with overlap, slots 0..R-1 are the previous block's first
+    // halves, R..2R-1 this block's second halves; plain slots are this block's R tokens.
     const auto slot_value = [&](int j, float* z, float* v) {
-      int64_t q, col, state_row;
-      int res;
-      if (a.overlap && j < R) {
-        res = j;
-        q = (b - 1) * R + j;
-        col = c;
-        state_row = b - 1 == b0 ? R + j : j;  // still the open block at the step's start, or the previous one
-      } else {
-        res = a.overlap ? j - R : j;
-        q = b * R + res;
-        col = a.overlap ? w + c : c;
-        state_row = a.overlap ? R + res : res;
-      }
+      const int64_t q = first + j;
+      const int res = static_cast<int>(((q % R) + R) % R);
+      const int64_t col = a.overlap && j >= R ? w + c : c;
       if (q >= sq.first_pos) {
         const int64_t row = sq.first_row + (q - sq.first_pos);
         if (row >= a.kv.rows || row >= a.score.rows) {
@@ -454,8 +446,9 @@ __global__ void compress_pool_kernel(const CompressKernelArgs p) {
         *z = row_ptr(a.score, row)[col] + row_ptr(a.ape, res)[col];
         *v = row_ptr(a.kv, row)[col];
       } else {
-        *z = row_ptr(a.state_score, base + state_row)[col];
-        *v = row_ptr(a.state_kv, base + state_row)[col];
+        const int64_t state_row = base + ((q % M) + M) % M;
+        *z = row_ptr(a.state_score, state_row)[col];
+        *v = row_ptr(a.state_kv, state_row)[col];
       }
     };
     float z, v;
@@ -479,52 +472,26 @@ __global__ void compress_pool_kernel(const CompressKernelArgs p) {
   }
 }
 
-// Block (j, s): residue j of sequence s's state. The open-block row (cur + j) ends with the
-// step's last position of residue j, if any; with overlap, the previous-block row j ends
-// with the last block closed in this step (its token of residue j: from the chunk, or the
-// open-block row as the step found it). One thread reads and writes both rows of a column,
-// so reading the old open-block value cannot race with its overwrite.
+// Block (j, s): ring row j of sequence s's state takes the step's last position q with
+// q mod state_rows == j, if the step has one (score with APE, as the CPU stores it).
 __global__ void compress_state_kernel(const CompressKernelArgs p) {
   const CompressArgs& a = p.a;
   const Seq sq = load_seq(p.m.seqs, blockIdx.y);
-  const int R = a.ratio, o = a.overlap ? 2 : 1, j = blockIdx.x;
-  const int64_t base = int64_t{sq.slot} * o * R;
-  if (sq.rows <= 0 || sq.slot < 0 || base + int64_t{o} * R > a.state_kv.rows ||
-      base + int64_t{o} * R > a.state_score.rows)
-    return;
+  const int R = a.ratio;
+  const int64_t M = a.state_rows, j = blockIdx.x;
+  const int64_t base = int64_t{sq.slot} * M;
+  if (sq.rows <= 0 || sq.slot < 0 || base + M > a.state_kv.rows || base + M > a.state_score.rows) return;
   const int64_t last = int64_t{sq.first_pos} + sq.rows - 1;
-  const auto latest = [&](int res) { return last - (((last - res) % R) + R) % R; };  // max q <= last, q % R == res
-  const int64_t q_cur = latest(j);
-  const bool cur_from_chunk = q_cur >= sq.first_pos;
-  const int64_t closed = latest(R - 1);
-  const bool closes = a.overlap && closed >= sq.first_pos;
-  const int64_t q_prev = closed / R * R + j;
-  const int cur = a.overlap ? R : 0;
-  const auto chunk_row = [&](int64_t q) { return sq.first_row + (q - sq.first_pos); };
-  if ((cur_from_chunk && chunk_row(q_cur) >= a.kv.rows) || (closes && q_prev >= sq.first_pos && chunk_row(q_prev) >= a.kv.rows))
-    return;
-  float* kv_cur = row_ptr(a.state_kv, base + cur + j);
-  float* sc_cur = row_ptr(a.state_score, base + cur + j);
-  float* kv_prev = row_ptr(a.state_kv, base + j);
-  float* sc_prev = row_ptr(a.state_score, base + j);
-  const float* ape = row_ptr(a.ape, j);
+  const int64_t q = last - (((last - j) % M) + M) % M;  // max q <= last, q mod M == j
+  if (q < sq.first_pos) return;
+  const int64_t row = sq.first_row + (q - sq.first_pos);
+  if (row >= a.kv.rows || row >= a.score.rows) return;
+  float* kv = row_ptr(a.state_kv, base + j);
+  float* sc = row_ptr(a.state_score, base + j);
+  const float* ape = row_ptr(a.ape, q % R);
   for (int64_t c = threadIdx.x; c < a.kv.cols; c += blockDim.x) {
-    const float old_kv = kv_cur[c], old_sc = sc_cur[c];
-    if (closes) {
-      if (q_prev >= sq.first_pos) {
-        const int64_t row = chunk_row(q_prev);
-        kv_prev[c] = row_ptr(a.kv, row)[c];
-        sc_prev[c] = row_ptr(a.score, row)[c] + ape[c];
-      } else {
-        kv_prev[c] = old_kv;
-        sc_prev[c] = old_sc;
-      }
-    }
-    if (cur_from_chunk) {
-      const int64_t row = chunk_row(q_cur);
-      kv_cur[c] = row_ptr(a.kv, row)[c];
-      sc_cur[c] = row_ptr(a.score, row)[c] + ape[c];
-    }
+    kv[c] = row_ptr(a.kv, row)[c];
+    sc[c] = row_ptr(a.score, row)[c] + ape[c];
   }
 }
 

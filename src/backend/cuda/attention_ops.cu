@@ -119,8 +119,8 @@ Status prepare_attention_kernels() {
 Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecision precision, AttentionPlan* plan) {
   if (a.heads <= 0 || a.d <= 0 || a.d % 128 || a.d > 512)
     return Status::errorf("attention: {} heads of width {} (width must be 128, 256, 384 or 512)", a.heads, a.d);
-  if (a.window < 0 || a.ratio < 0 || (a.selected && a.top < 0))
-    return Status::errorf("attention: window {}, ratio {}, top {}", a.window, a.ratio, a.top);
+  if (a.window < 0 || a.ratio < 0 || (a.selected && a.top < 0) || (a.ring_rows != 0 && a.ring_rows < a.window))
+    return Status::errorf("attention: window {} (ring rows {}), ratio {}, top {}", a.window, a.ring_rows, a.ratio, a.top);
   DSV4_TRY(check_meta(m, "attention"));
   DSV4_ASSIGN_OR_RETURN(const DeviceLimits lim, device_limits());
   AttentionPlan p;
@@ -228,14 +228,16 @@ Status attention(const AttentionArgs& a, const StepMeta& m, const AttentionPlan&
 // ---- window, compressor, entries -----------------------------------------------------------
 
 Status store_window(const DeviceRows& kv, const StepMeta& m, int64_t window, const DeviceRows& ring,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, int64_t ring_rows) {
   DSV4_TRY(check_meta(m, "store_window"));
+  if (ring_rows == 0) ring_rows = window;
+  if (ring_rows < window) return Status::errorf("store_window: {} ring rows per slot for a window of {}", ring_rows, window);
   if (window <= 0 || m.n == 0 || m.n_seqs == 0) return Status::ok();
   DSV4_TRY(check_rows(kv, "store_window", "kv", -1, false));
   DSV4_TRY(check_rows(ring, "store_window", "ring", kv.cols, false));
   const int64_t last_rows = std::min(window, m.n);  // a sequence has at most n rows
   attn::store_window_kernel<<<dim3(static_cast<unsigned>(last_rows), static_cast<unsigned>(m.n_seqs)), 128, 0,
-                              stream>>>(kv, m, window, ring);
+                              stream>>>(kv, m, ring_rows, ring);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -252,13 +254,18 @@ Status compress(const CompressArgs& a, const StepMeta& m, cudaStream_t stream) {
   DSV4_TRY(check_rows(a.state_kv, "compress", "state_kv", o * w, false));
   DSV4_TRY(check_rows(a.state_score, "compress", "state_score", o * w, false));
   if (a.ape.rows < a.ratio) return Status::errorf("compress: ape has {} rows for ratio {}", a.ape.rows, a.ratio);
+  const int64_t state_rows = a.state_rows ? a.state_rows : int64_t{o} * a.ratio;
+  if (state_rows < int64_t{o} * a.ratio || state_rows > 65535)
+    return Status::errorf("compress: {} state rows per slot for {} x ratio {} (limit 65535)", state_rows, o, a.ratio);
   if (m.n == 0) return Status::ok();
-  const attn::CompressKernelArgs k{a, m};
+  attn::CompressKernelArgs k{a, m};
+  k.a.state_rows = state_rows;
   // Every pooled entry reads the state as the step found it, so pooling runs first.
   attn::compress_pool_kernel<<<static_cast<unsigned>(m.n), 128, 0, stream>>>(k);
   DSV4_CUDA_TRY_LAUNCH();
   if (m.n_seqs > 0) {
-    attn::compress_state_kernel<<<dim3(static_cast<unsigned>(a.ratio), static_cast<unsigned>(m.n_seqs)), 128, 0, stream>>>(k);
+    attn::compress_state_kernel<<<dim3(static_cast<unsigned>(state_rows), static_cast<unsigned>(m.n_seqs)), 128, 0,
+                                   stream>>>(k);
     DSV4_CUDA_TRY_LAUNCH();
   }
   return Status::ok();

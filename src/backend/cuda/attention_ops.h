@@ -76,8 +76,9 @@ struct AttentionArgs {
   int heads = 0;
   int d = 0;
   DeviceRows chunk;              // this step's kv rows [n, d]
-  DeviceRows ring;               // [slots * window, d]
+  DeviceRows ring;               // [slots * ring_rows, d], position p at row p mod ring_rows
   int64_t window = 0;
+  int64_t ring_rows = 0;         // rows per slot, >= window; 0: window
   int ratio = 0;                 // 0: window only
   DevicePaged entries;           // width d
   const int32_t* selected = nullptr;  // [n][selected_ld] (top entries used), or null: all visible
@@ -104,9 +105,10 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
 Status attention(const AttentionArgs& a, const StepMeta& m, const AttentionPlan& plan, void* workspace,
                  size_t workspace_bytes, cudaStream_t stream);
 
-// Each sequence's last min(rows, window) rows of kv into its ring at position mod window.
+// Each sequence's last min(rows, window) rows of kv into its ring at position mod ring_rows
+// (rows per slot, >= window; 0: window).
 Status store_window(const DeviceRows& kv, const StepMeta& m, int64_t window, const DeviceRows& ring,
-                    cudaStream_t stream);
+                    cudaStream_t stream, int64_t ring_rows = 0);
 
 struct CompressArgs {
   DeviceRows kv;         // [n, overlap*w]
@@ -114,8 +116,9 @@ struct CompressArgs {
   DeviceRows ape;        // [ratio, overlap*w]
   int ratio = 0;
   bool overlap = false;
-  DeviceRows state_kv;     // [slots * overlap*ratio, overlap*w]
+  DeviceRows state_kv;     // [slots * state_rows, overlap*w]: position p at row p mod state_rows
   DeviceRows state_score;  // same
+  int64_t state_rows = 0;  // rows per slot, >= overlap*ratio; 0: overlap*ratio
   DeviceRows pooled;       // [n, w]
 };
 Status compress(const CompressArgs& a, const StepMeta& m, cudaStream_t stream);

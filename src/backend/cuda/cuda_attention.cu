@@ -50,6 +50,15 @@ Result<DeviceRows> slots_of(const SlotRows& r, const char* op, const char* arg, 
   return rows_of(r.data, op, arg, -1, width);
 }
 
+// A ring of positions (backend.h): at least `min_rows` rows per slot.
+Result<DeviceRows> ring_of(const SlotRows& r, const char* op, const char* arg, int64_t min_rows, int64_t width) {
+  if (!r.data.valid() || r.data.type != GgmlType::F32 || r.rows_per_slot < std::max<int64_t>(min_rows, 1) ||
+      r.data.cols() != width || r.data.rows() % r.rows_per_slot)
+    return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected at least {} x {}", op, arg,
+                          r.data.describe(), r.rows_per_slot, min_rows, width);
+  return rows_of(r.data, op, arg, -1, width);
+}
+
 Result<DevicePaged> paged_of(const PagedRows& p, const char* op, int64_t width) {
   if (!p.pool.valid() || p.pool.type != GgmlType::F32 || p.pool.cols() != width || p.page_rows <= 0 ||
       !p.page_table.valid() || p.page_table.type != GgmlType::I32)
@@ -81,7 +90,8 @@ Status CudaBackend::attention(const Tensor& q, const AttentionKeys& keys, const 
   DSV4_ASSIGN_OR_RETURN(const DeviceRows qr, rows_of(q, "attention", "q", n, n_heads * d));
   DSV4_ASSIGN_OR_RETURN(const DeviceRows sk, rows_of(sink, "attention", "sink", -1, n_heads));
   DSV4_ASSIGN_OR_RETURN(const DeviceRows o, rows_of(out, "attention", "out", n, n_heads * d));
-  DSV4_ASSIGN_OR_RETURN(a.ring, slots_of(keys.ring, "attention", "ring", win, d));
+  DSV4_ASSIGN_OR_RETURN(a.ring, ring_of(keys.ring, "attention", "ring", win, d));
+  a.ring_rows = keys.ring.rows_per_slot;
   const bool selected = keys.ratio > 0 && keys.selected.valid();
   if (keys.ratio) {
     DSV4_ASSIGN_OR_RETURN(a.entries, paged_of(keys.entries, "attention", d));
@@ -115,8 +125,8 @@ Status CudaBackend::store_window(const Tensor& kv, const StepRows& rows, int64_t
   const int64_t d = kv.cols();
   DSV4_ASSIGN_OR_RETURN(const StepMeta m, meta_of(rows, "store_window"));
   DSV4_ASSIGN_OR_RETURN(const DeviceRows src, rows_of(kv, "store_window", "kv", rows.n, -1));
-  DSV4_ASSIGN_OR_RETURN(const DeviceRows dst, slots_of(ring, "store_window", "ring", window, d));
-  return cuda::store_window(src, m, window, dst, impl_->stream);
+  DSV4_ASSIGN_OR_RETURN(const DeviceRows dst, ring_of(ring, "store_window", "ring", window, d));
+  return cuda::store_window(src, m, window, dst, impl_->stream, ring.rows_per_slot);
 }
 
 Status CudaBackend::compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
@@ -130,8 +140,9 @@ Status CudaBackend::compress(const Tensor& kv, const Tensor& score, const Tensor
   DSV4_ASSIGN_OR_RETURN(a.kv, rows_of(kv, "compress", "kv", n, o * w));
   DSV4_ASSIGN_OR_RETURN(a.score, rows_of(score, "compress", "score", n, o * w));
   DSV4_ASSIGN_OR_RETURN(a.ape, rows_of(ape, "compress", "ape", ratio, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.state_kv, slots_of(state_kv, "compress", "state_kv", o * ratio, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.state_score, slots_of(state_score, "compress", "state_score", o * ratio, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.state_kv, ring_of(state_kv, "compress", "state_kv", o * ratio, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.state_score, slots_of(state_score, "compress", "state_score", state_kv.rows_per_slot, o * w));
+  a.state_rows = state_kv.rows_per_slot;
   DSV4_ASSIGN_OR_RETURN(a.pooled, rows_of(pooled, "compress", "pooled", n, w));
   a.ratio = ratio;
   a.overlap = overlap;
