@@ -22,6 +22,7 @@ namespace {
 // Single-token sampled steps run padded to these sizes (ModelOptions::graphs).
 constexpr int64_t kMaxBucketRows = 64;
 constexpr int64_t kAdjustPerBucketRow = 256;  // adjustments a bucketed step can carry per row
+constexpr int64_t kMaxVerifyRows = 5;          // tokens per sequence of a bucketed verify step (k + 1 <= 5)
 
 int32_t f32_bits(float f) {
   int32_t b;
@@ -55,7 +56,9 @@ Status validate_spec(const SampleSpec& s, uint32_t vocab, size_t item) {
 
 struct Model::DecodeBucket {
   int64_t rows = 0;
+  int64_t graph_id = 0;
   Tensor tokens, positions, row_seq, seqs, params, adjust, sampled, steer_alpha;
+  Tensor streams;  // verify buckets: the final streams of every row, copied out of the scratch
   bool warmed = false;    // ran once directly (first-use uploads, scratch grown)
   bool recorded = false;  // graph `rows` recorded
 };
@@ -284,6 +287,8 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
         return Status::errorf(StatusCode::kOutOfRange, "forward: batch item {}: token id {} outside the vocabulary of {}",
                               i, t, config_.vocab_size);
     if (it.sample) DSV4_TRY(validate_spec(*it.sample, config_.vocab_size, i));
+    if (it.sample && it.greedy_rows)
+      return Status::errorf("forward: batch item {}: sample and greedy_rows exclude each other", i);
     if (config_.is_v41()) DSV4_TRY(refuse_image_tokens(config_, it.tokens).with_context(fmt::format("forward: batch item {}", i)));
     items.push_back({it.sequence, static_cast<int64_t>(tokens.size()), n, it.sequence->position()});
     tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
@@ -295,7 +300,15 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
         return it.tokens.size() == 1 && it.sample && !it.all_logits && !it.keep_streams &&
                static_cast<int64_t>(it.sample->adjust.size()) <= kAdjustPerBucketRow;
       });
-  if (bucketed) return decode_step(batch, out);
+  const size_t verify_rows = batch[0].tokens.size();
+  const bool verify_bucketed =
+      !trace && !config_.is_v41() && static_cast<int64_t>(batch.size()) <= kMaxBucketRows &&
+      static_cast<int64_t>(verify_rows) <= kMaxVerifyRows &&
+      ((backend_->supports_graphs() && options_.graphs) || options_.decode_buckets) &&
+      std::all_of(batch.begin(), batch.end(), [&](const BatchItem& it) {
+        return it.greedy_rows && it.tokens.size() == verify_rows && !it.sample && !it.all_logits;
+      });
+  if (bucketed || verify_bucketed) return decode_step(batch, out);
   // Pages for the rows this step writes, before anything is computed.
   for (const StepItem& it : items) DSV4_TRY(cache_->prepare(*it.seq, it.pos0 + it.n));
   DSV4_TRY(cache_->sync());
@@ -327,20 +340,23 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
   std::vector<int32_t> wanted;    // stream rows that get logits
   std::vector<int32_t> returned;  // rows of `wanted` whose logits go back
   std::vector<int32_t> sampled;   // rows of `wanted` that sample, in batch order
+  std::vector<int32_t> greedy;    // rows of `wanted` whose greedy token goes back (greedy_rows)
   std::vector<int32_t> params, adjust;
   out.streams.clear();
+  out.row_tokens.clear();
   out.tokens.assign(batch.size(), -1);
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepItem& it = step.items[i];
     const BatchItem& bi = batch[i];
-    if (bi.all_logits)
+    if (bi.all_logits || bi.greedy_rows)
       for (int64_t j = 0; j < it.n; ++j) {
-        returned.push_back(static_cast<int32_t>(wanted.size()));
+        if (bi.all_logits) returned.push_back(static_cast<int32_t>(wanted.size()));
+        if (bi.greedy_rows) greedy.push_back(static_cast<int32_t>(wanted.size()));
         wanted.push_back(static_cast<int32_t>(it.row0 + j));
       }
     else
       wanted.push_back(static_cast<int32_t>(it.row0 + it.n - 1));
-    if (!bi.all_logits && !bi.sample) returned.push_back(static_cast<int32_t>(wanted.size() - 1));
+    if (!bi.all_logits && !bi.sample && !bi.greedy_rows) returned.push_back(static_cast<int32_t>(wanted.size() - 1));
     if (bi.sample) {
       append_sample_spec(*bi.sample, static_cast<int32_t>(sampled.size()), params, adjust);
       sampled.push_back(static_cast<int32_t>(wanted.size() - 1));
@@ -383,6 +399,21 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
     for (size_t i = 0, j = 0; i < batch.size(); ++i)
       if (batch[i].sample) out.tokens[i] = host[j++];
   }
+  if (!greedy.empty()) {  // arg-max rows, as a bucketed verify step samples them
+    const int64_t m = static_cast<int64_t>(greedy.size());
+    std::vector<int32_t> greedy_params, no_adjust;
+    SampleSpec spec;
+    spec.temperature = 0;
+    for (int64_t j = 0; j < m; ++j) append_sample_spec(spec, static_cast<int32_t>(j), greedy_params, no_adjust);
+    DSV4_ASSIGN_OR_RETURN(Tensor rows, fp.upload_i32(greedy, {m}));
+    DSV4_ASSIGN_OR_RETURN(Tensor sub, fp.f32({m, vocab}));
+    DSV4_TRY(backend_->get_rows(logits, rows, sub));
+    DSV4_ASSIGN_OR_RETURN(Tensor params_t, fp.upload_i32(greedy_params, {m, backend::kSampleFields}));
+    DSV4_ASSIGN_OR_RETURN(Tensor chosen, fp.i32({m}));
+    DSV4_TRY(backend_->sample(sub, params_t, nullptr, chosen));
+    out.row_tokens.resize(static_cast<size_t>(m));
+    DSV4_TRY(backend_->download(chosen, out.row_tokens.data(), m * sizeof(int32_t)));
+  }
   out.rows = static_cast<int64_t>(returned.size());
   out.logits.resize(out.rows * vocab);
   if (out.rows == 0) return Status::ok();
@@ -393,60 +424,75 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
   return backend_->download(back, out.logits.data(), out.logits.size() * sizeof(float));
 }
 
-// A step of single-token sampled items, padded to a bucket: persistent inputs uploaded
-// first, then the compute (embedding through sampling) run directly the first time, recorded
-// as a graph the second and replayed from then on, where the backend records graphs.
+// A bucketed step, padded to a bucket of sequences: either single-token sampled items
+// (decode), or items of r tokens each (1 <= r <= kMaxVerifyRows) that ask for every row's
+// greedy token (speculative verification). Persistent inputs are uploaded first, then the
+// compute (embedding through sampling) runs directly the first time, is recorded as a graph
+// the second and replayed from then on, where the backend records graphs: one graph per
+// (sequence bucket, r).
 Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) const {
   const int64_t n = static_cast<int64_t>(batch.size());
-  int64_t rows = 1;
-  while (rows < n) rows *= 2;
+  const bool verify = batch[0].greedy_rows;
+  const int64_t r = static_cast<int64_t>(batch[0].tokens.size());  // rows per sequence
+  int64_t seq_bucket = 1;
+  while (seq_bucket < n) seq_bucket *= 2;
+  const int64_t rows = seq_bucket * r;
   size_t index = 0;
-  while ((int64_t{1} << index) < rows) ++index;
+  while ((int64_t{1} << index) < seq_bucket) ++index;
+  index = index * (kMaxVerifyRows + 1) + static_cast<size_t>(verify ? r : 0);
   if (buckets_.size() <= index) buckets_.resize(index + 1);
   if (!buckets_[index]) {
     auto b = std::make_unique<DecodeBucket>();
     b->rows = rows;
+    b->graph_id = verify ? 1000 * r + seq_bucket : seq_bucket;
     backend::Backend& be = *backend_;
     const auto i32 = [&](std::vector<int64_t> shape) { return be.alloc(GgmlType::I32, shape); };
     DSV4_ASSIGN_OR_RETURN(b->tokens, i32({rows}));
     DSV4_ASSIGN_OR_RETURN(b->positions, i32({rows}));
     DSV4_ASSIGN_OR_RETURN(b->row_seq, i32({rows}));
-    DSV4_ASSIGN_OR_RETURN(b->seqs, i32({rows, backend::kSeqFields}));
+    DSV4_ASSIGN_OR_RETURN(b->seqs, i32({seq_bucket, backend::kSeqFields}));
     DSV4_ASSIGN_OR_RETURN(b->params, i32({rows, backend::kSampleFields}));
     DSV4_ASSIGN_OR_RETURN(b->adjust, i32({rows * kAdjustPerBucketRow, backend::kAdjustFields}));
     DSV4_ASSIGN_OR_RETURN(b->sampled, i32({rows}));
     DSV4_ASSIGN_OR_RETURN(b->steer_alpha, be.alloc(GgmlType::F32, std::vector<int64_t>{rows}));
+    if (verify) {
+      const int64_t width = int64_t{config_.hc_mult} * config_.hidden;
+      DSV4_ASSIGN_OR_RETURN(b->streams, be.alloc(GgmlType::F32, std::vector<int64_t>{rows, width}));
+    }
     buckets_[index] = std::move(b);
   }
   DecodeBucket& bucket = *buckets_[index];
 
-  // Real rows first, then padding rows (no sequence) and empty padding sequences.
-  std::vector<int32_t> tokens(rows, 0), positions(rows, 0), row_seq(rows, -1), seqs(rows * backend::kSeqFields, 0);
+  // Real sequences first (sequence i's rows at i * r ..), then padding rows (no sequence)
+  // and empty padding sequences.
+  std::vector<int32_t> tokens(rows, 0), positions(rows, 0), row_seq(rows, -1), seqs(seq_bucket * backend::kSeqFields, 0);
   std::vector<int32_t> params, adjust;
-  for (int64_t i = 0; i < rows; ++i) {
+  SampleSpec greedy;  // padding rows and verify rows: greedy, nothing else
+  greedy.temperature = 0;
+  for (int64_t i = 0; i < seq_bucket; ++i) {
     int32_t* f = &seqs[i * backend::kSeqFields];
     f[backend::kSeqSlot] = static_cast<int32_t>(batch[0].sequence->slot());
     if (i >= n) {
-      SampleSpec greedy;  // padding rows of a bucket: greedy, nothing returned
-      greedy.temperature = 0;
-      append_sample_spec(greedy, static_cast<int32_t>(i), params, adjust);
+      for (int64_t j = 0; j < r; ++j) append_sample_spec(greedy, static_cast<int32_t>(i * r + j), params, adjust);
       continue;
     }
     const Sequence& seq = *batch[i].sequence;
-    tokens[i] = batch[i].tokens[0];
-    positions[i] = static_cast<int32_t>(seq.position());
-    row_seq[i] = static_cast<int32_t>(i);
-    f[backend::kSeqFirstRow] = static_cast<int32_t>(i);
-    f[backend::kSeqRows] = 1;
-    f[backend::kSeqFirstPos] = positions[i];
+    for (int64_t j = 0; j < r; ++j) {
+      tokens[i * r + j] = batch[i].tokens[j];
+      positions[i * r + j] = static_cast<int32_t>(seq.position() + j);
+      row_seq[i * r + j] = static_cast<int32_t>(i);
+      append_sample_spec(verify ? greedy : *batch[i].sample, static_cast<int32_t>(i * r + j), params, adjust);
+    }
+    f[backend::kSeqFirstRow] = static_cast<int32_t>(i * r);
+    f[backend::kSeqRows] = static_cast<int32_t>(r);
+    f[backend::kSeqFirstPos] = static_cast<int32_t>(seq.position());
     f[backend::kSeqSlot] = static_cast<int32_t>(seq.slot());
     f[backend::kSeqWindowStart] = static_cast<int32_t>(seq.window_start());
-    append_sample_spec(*batch[i].sample, static_cast<int32_t>(i), params, adjust);
   }
   const size_t used = adjust.size();
   adjust.resize(static_cast<size_t>(rows * kAdjustPerBucketRow * backend::kAdjustFields), 0);
   for (size_t a = used; a < adjust.size(); a += backend::kAdjustFields) adjust[a] = -1;  // unused: skipped
-  for (const BatchItem& it : batch) DSV4_TRY(cache_->prepare(*it.sequence, it.sequence->position() + 1));
+  for (const BatchItem& it : batch) DSV4_TRY(cache_->prepare(*it.sequence, it.sequence->position() + r));
   DSV4_TRY(cache_->sync());
   backend::Backend& be = *backend_;
   DSV4_TRY(be.upload(bucket.tokens, tokens.data(), tokens.size() * sizeof(int32_t)));
@@ -456,18 +502,20 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
   DSV4_TRY(be.upload(bucket.params, params.data(), params.size() * sizeof(int32_t)));
   DSV4_TRY(be.upload(bucket.adjust, adjust.data(), adjust.size() * sizeof(int32_t)));
   std::vector<float> alpha(rows, 0.0f);
-  for (int64_t i = 0; i < n; ++i) alpha[i] = batch[i].sequence->steering_alpha();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < r; ++j) alpha[i * r + j] = batch[i].sequence->steering_alpha();
   DSV4_TRY(be.upload(bucket.steer_alpha, alpha.data(), alpha.size() * sizeof(float)));
 
   const ForwardPass fp{config_, plan_, *weights_, options_, be, *cache_, nullptr, steering()};
   Step step;
-  step.rows = {rows, rows, bucket.tokens, bucket.positions, bucket.row_seq, bucket.seqs,
+  step.rows = {rows, seq_bucket, bucket.tokens, bucket.positions, bucket.row_seq, bucket.seqs,
                static_cast<int64_t>(cache_->max_context())};
   step.steer_alpha = bucket.steer_alpha;
   const auto compute = [&]() -> Status {
     be.begin_step();
     DSV4_ASSIGN_OR_RETURN(Tensor streams, fp.embed(weights_->token_embd, step));
     for (uint32_t b = 0; b < config_.n_layers; ++b) DSV4_TRY(fp.block(plan_.layers[b], streams, step));
+    if (bucket.streams.valid()) DSV4_TRY(be.copy_rows(streams, bucket.streams));  // outlives the step's scratch
     DSV4_ASSIGN_OR_RETURN(Tensor logits, fp.head(weights_->hc_head, weights_->output_norm, weights_->output, streams));
     return be.sample(logits, bucket.params, &bucket.adjust, bucket.sampled);
   };
@@ -478,20 +526,33 @@ Status Model::decode_step(std::span<const BatchItem> batch, ForwardOutput& out) 
     if (!bucket.recorded) {
       DSV4_TRY(be.begin_capture());
       const Status recorded = compute();
-      const Status ended = be.end_capture(rows);
+      const Status ended = be.end_capture(bucket.graph_id);
       DSV4_TRY(recorded);
       DSV4_TRY(ended);
       bucket.recorded = true;
     }
-    DSV4_TRY(be.replay(rows));
+    DSV4_TRY(be.replay(bucket.graph_id));
   }
   std::vector<int32_t> chosen(rows);
   DSV4_TRY(be.download(bucket.sampled, chosen.data(), chosen.size() * sizeof(int32_t)));
-  out.tokens.assign(chosen.begin(), chosen.begin() + n);
   out.rows = 0;
   out.logits.clear();
   out.streams.clear();
-  for (const BatchItem& it : batch) it.sequence->position_ += 1;
+  out.row_tokens.clear();
+  if (verify) {
+    out.tokens.assign(n, -1);
+    out.row_tokens.assign(chosen.begin(), chosen.begin() + n * r);
+    const int64_t width = bucket.streams.cols();
+    for (int64_t i = 0; i < n; ++i) {
+      if (!batch[i].keep_streams) continue;
+      const size_t at = out.streams.size();
+      out.streams.resize(at + r * width);
+      DSV4_TRY(be.download(bucket.streams.slice(i * r, r), out.streams.data() + at, r * width * sizeof(float)));
+    }
+  } else {
+    out.tokens.assign(chosen.begin(), chosen.begin() + n);
+  }
+  for (const BatchItem& it : batch) it.sequence->position_ += r;
   return Status::ok();
 }
 

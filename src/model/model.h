@@ -96,6 +96,11 @@ struct BatchItem {
   // Sample the token after the item's last one on the backend; its logits are then not
   // returned (unless all_logits).
   const SampleSpec* sample = nullptr;
+  // Speculative verification: the greedy (arg-max) token after every one of the item's
+  // tokens, chosen on the backend, into ForwardOutput::row_tokens (excludes `sample`). A
+  // batch whose items all ask for it with the same number of tokens (<= 5) runs as one
+  // graph-replayed step per (sequence bucket, tokens), as decoding does.
+  bool greedy_rows = false;
 };
 
 struct ForwardOutput {
@@ -105,6 +110,8 @@ struct ForwardOutput {
   int64_t rows = 0;
   // One per batch item: the sampled token, or -1 for an item without a SampleSpec.
   std::vector<int32_t> tokens;
+  // For greedy_rows items, one per token, in batch order: the arg-max token after it.
+  std::vector<int32_t> row_tokens;
   // For keep_streams items, every token, in batch order: [tokens, hc_mult * hidden]; on a
   // V4.1 model with DSpark stages, the DSpark main hidden instead (DsparkItem):
   // [tokens, targets * hidden].

@@ -50,6 +50,14 @@ double keyed_uniform(const Sampler& s, int64_t position, int purpose) {
 
 bool greedy(const Sampler& s) { return s.params().temperature == 0.0f; }
 
+// Greedy without penalties or biases: the target's token is the arg-max of the raw logits,
+// which the backend picks (BatchItem::greedy_rows), so no logits need to come back.
+bool plain_greedy(const Sampler& s) {
+  const SamplingParams& p = s.params();
+  return p.temperature == 0.0f && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
+         p.frequency_penalty == 0.0f && p.logit_bias.empty();
+}
+
 }  // namespace
 
 std::vector<int32_t> speculative_accept(std::span<const int32_t> drafts, std::span<const std::vector<double>> q,
@@ -205,13 +213,17 @@ Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector
     }
   }
 
-  // Verify: the pending token and the drafts in one forward.
+  // Verify: the pending token and the drafts in one forward. Plain greedy sequences take
+  // each row's arg-max from the backend (one graph-replayed step when every sequence has
+  // the same k); otherwise the logits come back for the sampler.
+  const bool argmax_rows = std::all_of(seqs.begin(), seqs.end(), [](const SpecSequence* s) { return plain_greedy(s->sampler); });
   std::vector<std::vector<int32_t>> inputs(n);
   std::vector<BatchItem> batch;
   for (size_t i = 0; i < n; ++i) {
     inputs[i].push_back(seqs[i]->pending);
     inputs[i].insert(inputs[i].end(), drafts[i].begin(), drafts[i].end());
-    batch.push_back({.sequence = seqs[i]->sequence, .tokens = inputs[i], .all_logits = true, .keep_streams = true});
+    batch.push_back({.sequence = seqs[i]->sequence, .tokens = inputs[i], .all_logits = !argmax_rows,
+                     .keep_streams = true, .greedy_rows = argmax_rows});
   }
   ForwardOutput out;
   DSV4_TRY(model_.forward(batch, out));
@@ -221,12 +233,19 @@ Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector
   int64_t row0 = 0;
   for (size_t i = 0; i < n; ++i) {
     SpecSequence& s = *seqs[i];
-    std::vector<std::vector<double>> p;
-    for (int j = 0; j <= k[i]; ++j)
-      p.push_back(dense(with_history(s.sampler, std::span<const int32_t>(drafts[i]).first(j)),
-                        std::span<const float>(out.logits).subspan((row0 + j) * vocab, vocab)));
-    const auto uniform = [&](int j, int purpose) { return keyed_uniform(s.sampler, base[i] + 1 + j, purpose); };
-    emitted[i] = speculative_accept(drafts[i], q[i], p, uniform);
+    if (argmax_rows) {  // accept while the draft is the target's arg-max, then its arg-max
+      int a = 0;
+      while (a < k[i] && drafts[i][a] == out.row_tokens[row0 + a]) ++a;
+      emitted[i].assign(drafts[i].begin(), drafts[i].begin() + a);
+      emitted[i].push_back(out.row_tokens[row0 + a]);
+    } else {
+      std::vector<std::vector<double>> p;
+      for (int j = 0; j <= k[i]; ++j)
+        p.push_back(dense(with_history(s.sampler, std::span<const int32_t>(drafts[i]).first(j)),
+                          std::span<const float>(out.logits).subspan((row0 + j) * vocab, vocab)));
+      const auto uniform = [&](int j, int purpose) { return keyed_uniform(s.sampler, base[i] + 1 + j, purpose); };
+      emitted[i] = speculative_accept(drafts[i], q[i], p, uniform);
+    }
     const int a = static_cast<int>(emitted[i].size()) - 1;
 
     if (k[i] > 0 && a < k[i]) {  // rejected drafts: back to the kept positions

@@ -4,6 +4,7 @@
 // graph replay against direct launches (identical tokens).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -16,6 +17,7 @@
 #include "backend/sampling.h"
 #include "model/kv_graft.h"
 #include "model/model.h"
+#include "runtime/speculative.h"
 #include "support/test_support.h"
 #include "synth/presets.h"
 #include "synth/synth.h"
@@ -59,11 +61,13 @@ class CudaStepFeatures : public ::testing::Test {
   }
   void SetUp() override { ASSERT_TRUE(gpu_); }
 
-  static std::unique_ptr<Model> load(backend::Backend& be, bool graphs = true) {
+  static std::unique_ptr<Model> load(backend::Backend& be, bool graphs = true,
+                                     backend::MatmulMode matmul = backend::MatmulMode::Exact) {
     ModelOptions mo;
     mo.qat = false;
     mo.cache.max_sequences = 8;
     mo.graphs = graphs;
+    mo.matmul = matmul;
     auto m = Model::load(path_, be, mo);
     EXPECT_TRUE(m.is_ok()) << m.status().message();
     return m.is_ok() ? std::move(m).value() : nullptr;
@@ -240,6 +244,81 @@ TEST_F(CudaStepFeatures, SteeringAndGraftsMatchTheCpu) {
     logits[b] = *r;
   }
   EXPECT_LE(max_row_error(logits[1], logits[0]), 1e-5);
+}
+
+// MTP speculation on the GPU (greedy): the verify step is one graph-replayed step per
+// (sequence bucket, k + 1 rows) with each row's arg-max picked on the device, the rollback
+// Model::rewind. Its tokens must be plain greedy decoding's (device-sampled, graph-replayed
+// one-row steps), for k = 1, 3, 4 and adaptive k, one sequence and three in a step, in the
+// exact and the quantised (production) modes, over 48 tokens: the window (8) wraps and
+// compression blocks (4, 16) close many times.
+TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
+  for (const backend::MatmulMode mode : {backend::MatmulMode::Exact, backend::MatmulMode::Quantized}) {
+    SCOPED_TRACE(mode == backend::MatmulMode::Exact ? "exact" : "quantized");
+    auto m = load(*gpu_, true, mode);
+    ASSERT_TRUE(m && m->has_mtp());
+    constexpr size_t kTokens = 48;
+    constexpr int kSeqs = 3;
+    std::vector<std::vector<int32_t>> prompts, want(kSeqs);
+    for (int s = 0; s < kSeqs; ++s) prompts.push_back(tokens(7 + 6 * s, 70 + s));
+    {  // plain greedy, three sequences per step (a bucket of 4), sampled on the device
+      SequenceOptions so;
+      so.max_context = 160;
+      std::vector<std::unique_ptr<Sequence>> seqs;
+      std::vector<int32_t> last;
+      for (int s = 0; s < kSeqs; ++s) {
+        seqs.push_back(std::move(m->new_sequence(so)).value());
+        auto logits = m->prefill(*seqs.back(), prompts[s]);
+        ASSERT_TRUE(logits.is_ok());
+        last.push_back(static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin()));
+        want[s].push_back(last.back());
+      }
+      SampleSpec greedy;
+      greedy.temperature = 0;
+      while (want[0].size() < kTokens) {
+        std::vector<BatchItem> batch;
+        for (int s = 0; s < kSeqs; ++s) batch.push_back({seqs[s].get(), std::span<const int32_t>(&last[s], 1), false, false, &greedy});
+        ForwardOutput fo;
+        ASSERT_TRUE(m->forward(batch, fo).is_ok());
+        for (int s = 0; s < kSeqs; ++s) want[s].push_back(last[s] = fo.tokens[s]);
+      }
+    }
+    for (const int k : {1, 3, 4, 0}) {  // 0: adaptive, up to 4
+      for (const int n_seqs : {1, kSeqs}) {
+        SCOPED_TRACE(::testing::Message() << "k " << (k ? std::to_string(k) : "adaptive") << ", " << n_seqs << " sequences");
+        runtime::SpecOptions o;
+        o.max_k = k ? k : 4;
+        o.adaptive = k == 0;
+        runtime::SpeculativeDecoder dec(*m, o);
+        SequenceOptions so;
+        so.max_context = 160;
+        so.with_mtp = true;
+        std::vector<std::unique_ptr<Sequence>> seqs;
+        std::vector<runtime::SpecSequence> spec(n_seqs);
+        std::vector<std::vector<int32_t>> got(n_seqs);
+        std::vector<runtime::SpecSequence*> step;
+        for (int s = 0; s < n_seqs; ++s) {
+          seqs.push_back(std::move(m->new_sequence(so)).value());
+          spec[s].sequence = seqs.back().get();
+          auto first = dec.start(spec[s], prompts[s]);
+          ASSERT_TRUE(first.is_ok()) << first.status().message();
+          got[s].push_back(*first);
+          step.push_back(&spec[s]);
+        }
+        std::vector<std::vector<int32_t>> emitted;
+        while (std::any_of(got.begin(), got.end(), [](const auto& g) { return g.size() < kTokens; })) {
+          const Status st = dec.step(step, emitted);
+          ASSERT_TRUE(st.is_ok()) << st.message();
+          for (int s = 0; s < n_seqs; ++s) got[s].insert(got[s].end(), emitted[s].begin(), emitted[s].end());
+        }
+        for (int s = 0; s < n_seqs; ++s) {
+          got[s].resize(kTokens);
+          EXPECT_EQ(got[s], want[s]) << "sequence " << s;
+          EXPECT_GT(spec[s].stats.drafted, 0);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

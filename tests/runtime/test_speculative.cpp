@@ -272,6 +272,97 @@ TEST_F(Speculative, MtpOnlyRollbackLeavesTheTrunkAndRewindsTheMtpBlock) {
   }
 }
 
+// Verify rows' greedy tokens from the backend (BatchItem::greedy_rows): the bucketed step
+// (decode_buckets forces it on the CPU; graph-replayed on CUDA) gives the tokens and streams
+// of the unbucketed forward, and the tokens are the arg-max of the rows' logits.
+TEST_F(Speculative, GreedyRowsBucketedEqualUnbucketedAndTheLogitsArgMax) {
+  ModelOptions o;
+  o.decode_buckets = true;
+  auto bucketed = Model::load((dir_->path() / "tiny.gguf").string(), *cpu_, o);
+  ASSERT_TRUE(bucketed.is_ok()) << bucketed.status().message();
+  const std::vector<int32_t> prompt = tokens(29, 21);
+  for (size_t n_seqs : {1u, 3u}) {
+    for (size_t r : {1u, 2u, 4u, 5u}) {
+      SCOPED_TRACE(::testing::Message() << n_seqs << " sequences x " << r << " rows");
+      std::vector<std::unique_ptr<Sequence>> a, b, c;
+      std::vector<std::vector<int32_t>> fed;
+      std::vector<BatchItem> ia, ib, ic;
+      for (size_t i = 0; i < n_seqs; ++i) {
+        SequenceOptions so;
+        so.max_context = 64;
+        so.with_mtp = true;
+        a.push_back(std::move(model_->new_sequence(so)).value());
+        b.push_back(std::move((*bucketed)->new_sequence(so)).value());
+        c.push_back(std::move(model_->new_sequence(so)).value());
+        const auto p = std::span(prompt).first(20 + 3 * i);
+        ASSERT_TRUE(model_->prefill(*a[i], p).is_ok());
+        ASSERT_TRUE((*bucketed)->prefill(*b[i], p).is_ok());
+        ASSERT_TRUE(model_->prefill(*c[i], p).is_ok());
+        fed.push_back(tokens(r, 40 + i * 8 + r));
+      }
+      for (size_t i = 0; i < n_seqs; ++i) {
+        ia.push_back({.sequence = a[i].get(), .tokens = fed[i], .keep_streams = true, .greedy_rows = true});
+        ib.push_back({.sequence = b[i].get(), .tokens = fed[i], .keep_streams = true, .greedy_rows = true});
+        ic.push_back({.sequence = c[i].get(), .tokens = fed[i], .all_logits = true});
+      }
+      ForwardOutput oa, ob, oc;
+      ASSERT_TRUE(model_->forward(ia, oa).is_ok());
+      ASSERT_TRUE((*bucketed)->forward(ib, ob).is_ok());
+      ASSERT_TRUE(model_->forward(ic, oc).is_ok());
+      ASSERT_EQ(oa.row_tokens.size(), n_seqs * r);
+      EXPECT_EQ(oa.row_tokens, ob.row_tokens);
+      EXPECT_TRUE(oa.streams == ob.streams);
+      EXPECT_EQ(oa.streams.size(), n_seqs * r * model_->config().hc_mult * model_->config().hidden);
+      EXPECT_TRUE(oa.logits.empty() && ob.logits.empty());
+      const int64_t vocab = model_->config().vocab_size;
+      for (size_t row = 0; row < n_seqs * r; ++row) {
+        const auto l = std::span<const float>(oc.logits).subspan(row * vocab, vocab);
+        EXPECT_EQ(oa.row_tokens[row], std::max_element(l.begin(), l.end()) - l.begin()) << "row " << row;
+      }
+      for (size_t i = 0; i < n_seqs; ++i) EXPECT_EQ(b[i]->position(), static_cast<int64_t>(20 + 3 * i + r));
+    }
+  }
+  SampleSpec s;
+  const std::vector<int32_t> one{1};
+  const BatchItem both{.sequence = nullptr, .tokens = one, .sample = &s, .greedy_rows = true};
+  auto seq = sequence();
+  BatchItem bad = both;
+  bad.sequence = seq.get();
+  ForwardOutput out;
+  EXPECT_FALSE(model_->forward(std::span<const BatchItem>(&bad, 1), out).is_ok()) << "sample and greedy_rows";
+}
+
+// Speculation on the bucketed verify path (as on CUDA, where it is graph-replayed).
+TEST_F(Speculative, GreedyEqualsPlainGreedyOnTheBucketedVerifyStep) {
+  ModelOptions o;
+  o.decode_buckets = true;
+  auto bucketed = Model::load((dir_->path() / "tiny.gguf").string(), *cpu_, o);
+  ASSERT_TRUE(bucketed.is_ok()) << bucketed.status().message();
+  const std::vector<int32_t> prompt = tokens(19, 22);
+  const std::vector<int32_t> want = greedy_reference(prompt, 40);
+  for (int k : {1, 3, 4}) {
+    SCOPED_TRACE(k);
+    SequenceOptions so;
+    so.max_context = 160;
+    so.with_mtp = true;
+    auto seq = std::move((*bucketed)->new_sequence(so)).value();
+    SpeculativeDecoder dec(**bucketed, fixed_k(k));
+    SpecSequence sp;
+    sp.sequence = seq.get();
+    auto first = dec.start(sp, prompt);
+    ASSERT_TRUE(first.is_ok()) << first.status().message();
+    std::vector<int32_t> got{*first};
+    std::vector<std::vector<int32_t>> emitted;
+    SpecSequence* one = &sp;
+    while (got.size() < want.size()) {
+      ASSERT_TRUE(dec.step(std::span<SpecSequence* const>(&one, 1), emitted).is_ok());
+      got.insert(got.end(), emitted[0].begin(), emitted[0].end());
+    }
+    got.resize(want.size());
+    EXPECT_EQ(got, want);
+  }
+}
+
 TEST_F(Speculative, GreedyEqualsPlainGreedyForEveryK) {
   const std::vector<int32_t> prompt = tokens(21, 5);
   const std::vector<int32_t> want = greedy_reference(prompt, 48);
