@@ -271,8 +271,9 @@ class Bench {
   }
 
   uint64_t extra_steps() const { return static_cast<uint64_t>(o_.warmup + o_.repeats * o_.steps); }
-  // Plain steps, then verify steps of 2, 3, 4 and 5 rows, each run `extra` times.
-  static uint64_t spec_extra(uint64_t extra) { return extra * 15 + 16; }
+  // Plain steps, then verify steps of 2, 3, 4 and 5 rows and one of 4 with logits, each run
+  // `extra` times, then the rewind's verify-and-rewind rounds (one token each).
+  static uint64_t spec_extra(uint64_t extra) { return extra * 19 + 32; }
 
   // Median ms of `fn` over the repeats, after warm-up, per call.
   Result<double> time_per_call(const std::function<Status()>& fn) {
@@ -305,10 +306,16 @@ class Bench {
     std::vector<int32_t> tokens = random_tokens(mix_keys(o_.seed, 0x59ec), sequences * 5, c.vocab_size);
     std::vector<BatchItem> items(static_cast<size_t>(sequences));
     ForwardOutput out;
-    const auto forward_rows = [&](int64_t rows) -> Status {
-      for (int64_t i = 0; i < sequences; ++i)
-        items[i] = rows == 0 ? BatchItem{seqs[i].get(), std::span<const int32_t>(&tokens[i * 5], 1), false, false, &greedy}
-                             : BatchItem{seqs[i].get(), std::span<const int32_t>(&tokens[i * 5], rows), true, true};
+    // rows 0: a plain sampled decode step; else a greedy verify step of `rows` tokens per
+    // sequence (each row's arg-max from the backend, the streams back: the decoder's greedy
+    // path, graph-replayed), or with `logits` every row's logits back (the sampling path).
+    const auto forward_rows = [&](int64_t rows, bool logits = false) -> Status {
+      for (int64_t i = 0; i < sequences; ++i) {
+        const std::span<const int32_t> t(&tokens[i * 5], rows == 0 ? 1 : rows);
+        items[i] = rows == 0 ? BatchItem{.sequence = seqs[i].get(), .tokens = t, .sample = &greedy}
+                             : BatchItem{.sequence = seqs[i].get(), .tokens = t, .all_logits = logits,
+                                         .keep_streams = true, .greedy_rows = !logits};
+      }
       return model_.forward(items, out);
     };
     DSV4_ASSIGN_OR_RETURN(double plain_ms, time_per_call([&] { return forward_rows(0); }));
@@ -317,6 +324,7 @@ class Bench {
       DSV4_ASSIGN_OR_RETURN(double ms, time_per_call([&] { return forward_rows(k + 1); }));
       verify_ms.push_back(ms);
     }
+    DSV4_ASSIGN_OR_RETURN(double logits_verify_ms, time_per_call([&] { return forward_rows(4, true); }));
     const int64_t width = int64_t{c.hc_mult} * c.hidden;
     std::vector<float> streams(static_cast<size_t>(sequences * width));
     for (size_t i = 0; i < streams.size(); ++i) streams[i] = static_cast<float>(unit_double(splitmix64(i)) - 0.5);
@@ -363,6 +371,8 @@ class Bench {
     const std::string name = fmt::format("spec B={} D={}", sequences, depth);
     report(name + " plain step", plain_ms, "ms", 1.0, "a decode step (graph path where the backend records graphs)");
     report(name + " draft", draft_ms, "ms", draft_ms / plain_ms, "one MTP pass, one row per sequence");
+    report(name + " verify k=3 with logits", logits_verify_ms, "ms", logits_verify_ms / plain_ms,
+           "4 rows/sequence, every row's logits back (the sampling path; not graph-replayed)");
     report(name + (rewind ? " rollback" : " rollback copies"), rollback_ms, "ms", rollback_ms / plain_ms,
            rewind ? "Model::rewind of every sequence by 4 tokens (host; no copies)"
                   : "snapshot + restore of every sequence (plus a replay when a draft fails)");
@@ -386,6 +396,7 @@ class Bench {
     }
     results.push_back(Json{{"kind", "spec"}, {"sequences", sequences}, {"depth", depth}, {"plain_ms", plain_ms},
                            {"draft_ms", draft_ms}, {"rollback_ms", rollback_ms},
+                           {"verify_k3_logits_ms", logits_verify_ms},
                            {"rollback", rewind ? "rewind" : "snapshot+restore+replay"}, {"by_k", per_k}});
     return Status::ok();
   }
