@@ -378,6 +378,33 @@ if has flash || has serve || has spec; then
     step dsv4_spec 150 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" --parts spec \
       --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"
     grep -a '^TABLE|' "$work/dsv4_spec.log" | cut -d'|' -f3-6
+    # `dsv4 run` greedy on the same file: speculation on by default (auto) and off; the
+    # replies must be the same tokens (one sequence: verify steps of at most 4 rows).
+    if [ "${DSV4_GPU_SPEC_RUN:-1}" = 1 ]; then
+      run_flags=(run -m "$flash" --backend cuda --temp 0 -n 96 --raw -p "The quick brown fox" --json)
+      step run_spec_auto 200 "$bin/dsv4" "${run_flags[@]}"
+      step run_spec_off 200 "$bin/dsv4" "${run_flags[@]}" --spec 0
+      python3 - "$work/run_spec_auto.log" "$work/run_spec_off.log" <<'PY' | tee -a "$work/steps.txt"
+import json, sys
+def reply(path):  # the JSON object printed last (stderr's progress lines come before it)
+    text = open(path, errors="replace").read()
+    at = text.find("\n{")
+    at = 0 if text.startswith("{") else at + 1
+    try:
+        return json.JSONDecoder().raw_decode(text[at:])[0] if at >= 0 else None
+    except ValueError:
+        return None
+a, b = reply(sys.argv[1]), reply(sys.argv[2])
+if not a or not b:
+    print("run_spec: failed (no JSON reply)")
+    sys.exit(0)
+same = a.get("content") == b.get("content") and a.get("reasoning") == b.get("reasoning")
+spec = a.get("speculative", {})
+print(f"run_spec: {'ok' if same and spec else 'failed'} (same reply: {same}; auto speculated: {bool(spec)}, "
+      f"{spec.get('accepted')} of {spec.get('drafted')} drafts accepted, {spec.get('tokens_per_step', 0):.2f} tokens/step; "
+      f"{a.get('speed', a.get('generation_tokens_per_second'))} vs {b.get('speed', b.get('generation_tokens_per_second'))})")
+PY
+    fi
   fi
   # The server on the same file: 1, 16 and 64 streaming clients (bench/bench_serve_load.py).
   if has serve && [ -f "$flash" ]; then
