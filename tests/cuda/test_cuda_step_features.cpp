@@ -253,11 +253,12 @@ TEST_F(CudaStepFeatures, SteeringAndGraftsMatchTheCpu) {
 // one-row steps), for k = 1, 3, 4 and adaptive k, one sequence and three in a step, over 48
 // tokens (the window of 8 wraps, compression blocks of 4 and 16 close many times):
 //   exact mode      every case (each row's result does not depend on the rows beside it);
-//   quantised mode  the cases whose verify steps have at most 16 rows. Above 16 tokens
-//                   the routed experts leave the fused decode kernel for the tensor-core
-//                   tiles, whose sums run in another order, so a near-tie can flip, as it
-//                   can between plain decoding at batch 4 and at batch 20 (docs/CUDA.md);
-//                   those cases print where they first differ and are not asserted.
+//   quantised mode  the cases whose verify steps have at most 16 rows (this model is Q8_0,
+//                   whose one-row and multi-row products agree). Above 16 tokens the
+//                   routed experts leave the fused decode kernel for the tensor-core tiles,
+//                   whose sums run in another order, so a near-tie can flip, as it can
+//                   between plain decoding at batch 4 and at batch 20 (docs/CUDA.md); those
+//                   cases print where they first differ and are not asserted.
 TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
   for (const backend::MatmulMode mode : {backend::MatmulMode::Exact, backend::MatmulMode::Quantized}) {
     SCOPED_TRACE(mode == backend::MatmulMode::Exact ? "exact" : "quantized");

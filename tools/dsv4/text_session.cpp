@@ -7,7 +7,6 @@
 #include <fstream>
 #include <random>
 #include <sstream>
-#include <string_view>
 
 #include "gguf/gguf_file.h"
 #include "synth/builtin_model.h"
@@ -60,9 +59,7 @@ void add_session_flags(CLI::App& app, SessionFlags& f) {
   app.add_option("--stop", f.stop, "stop when the output contains this text (repeatable)")->allow_extra_args(false);
   app.add_option("--stop-token", f.stop_token, "stop at this token id, besides EOS (repeatable)")->allow_extra_args(false);
   app.add_option("-n,--max-tokens", f.max_tokens, "most tokens to generate per reply (default 2048)");
-  app.add_option("--spec", f.spec,
-                 "MTP speculative decoding: at most K draft tokens per step, 1..4, 0 = off (default: 3 for a greedy run "
-                 "(--temp 0) on a CUDA device with a V4 model that has an MTP block, else off)")
+  app.add_option("--spec", f.spec, "MTP speculative decoding: at most K draft tokens per step, 1..4 (default 0 = off)")
       ->check(CLI::Range(0, 4));
   app.add_option("-s,--seed", f.seed, "random seed; the same seed gives the same output (default: random)");
   add_intervention_flags(app, f.interventions);
@@ -172,19 +169,6 @@ Result<Session> open_session(const SessionFlags& f, const char* command) {
       return Status::errorf("--stop-token {} is outside the vocabulary [0, {})", t, vocab);
   s.generate.max_tokens = f.max_tokens;
   s.generate.spec = f.spec;
-  // Auto: where it is measured to pay (docs/PERFORMANCE.md, "MTP speculative decoding"):
-  // one greedy sequence on the GPU (verify rows' arg-max on the device, graph-replayed),
-  // rolled back without copies (V4). Not for chat, which keeps its cache between turns
-  // only without speculation, nor with a KV graft, nor for sampling (its verify brings
-  // every row's logits back for the host's sampler: not measured to pay yet).
-  if (f.spec < 0) {
-    const bool plain_greedy = p.temperature == 0 && p.repetition_penalty == 1 && p.presence_penalty == 0 &&
-                              p.frequency_penalty == 0 && p.logit_bias.empty();
-    const bool pays = std::string_view(command) == "dsv4 run" && s.backend.device && s.model->has_mtp() &&
-                      s.model->can_rewind() && !s.graft && plain_greedy;
-    s.generate.spec = pays ? 3 : 0;
-    if (pays) fmt::print(stderr, "{}: speculative decoding with the MTP block, up to 3 drafts a step (--spec 0: off)\n", command);
-  }
   s.generate.stop_strings = f.stop;
   s.generate.stop_tokens = f.stop_token;
   return s;

@@ -37,9 +37,7 @@ struct SessionFlags {
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token;
   int64_t max_tokens = 2048;
-  // --spec K: MTP speculative decoding, at most K drafts per step; -1 (absent): auto, 3
-  // for a greedy `dsv4 run` on a CUDA device with a V4 model that has an MTP block, else 0.
-  int spec = -1;
+  int spec = 0;       // --spec K: MTP speculative decoding, at most K drafts per step
   uint64_t seed = 0;
   bool seed_given = false;
   // Chat format.
