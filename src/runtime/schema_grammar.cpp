@@ -119,7 +119,10 @@ class Compiler {
     ByteClass pm;
     pm.set('+');
     pm.set('-');
-    const uint32_t exp = rule_of({{}, Seq{cls(e), sym(rule_of({{}, Seq{cls(pm)}})), sym(digits(1, 3))}});
+    // At most 2 exponent digits: with at most 16 integer digits every number is a finite
+    // double (below 1e116), which JSON parsers accept; 3 digits allowed e.g. 3E337, which
+    // overflows and is refused (nlohmann's parser: "number overflow").
+    const uint32_t exp = rule_of({{}, Seq{cls(e), sym(rule_of({{}, Seq{cls(pm)}})), sym(digits(1, 2))}});
     number_ = rule_of({Seq{sym(integer()), sym(frac), sym(exp)}});
     return *number_;
   }

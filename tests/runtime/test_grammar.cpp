@@ -56,6 +56,8 @@ TEST(Grammar, SchemasAcceptWhatFitsAndRefuseTheRest) {
   auto any = schema(R"({"anyOf": [{"type": "null"}, {"$ref": "#/$defs/p"}], "$defs": {"p": {"type": "number"}}})");
   EXPECT_TRUE(accepts(any, "null"));
   EXPECT_TRUE(accepts(any, "-1.5e+3"));
+  EXPECT_TRUE(accepts(any, "9999999999999999.5E99"));  // the largest exponent: a finite double
+  EXPECT_FALSE(accepts(any, "3E337"));                 // overflows a double: JSON parsers refuse it
   EXPECT_FALSE(accepts(any, "01"));
   auto free = schema("{}");
   EXPECT_TRUE(accepts(free, R"({"a": [1, {"b": null}], "c": "d"})"));
