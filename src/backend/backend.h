@@ -142,6 +142,15 @@ struct SlotRows {
   int64_t ring_row(int64_t slot, int64_t pos) const {
     return slot * rows_per_slot + ((pos % rows_per_slot) + rows_per_slot) % rows_per_slot;
   }
+  // Every backend's check of a ring argument: F32, `width` columns, whole slots of at least
+  // `min_rows` rows.
+  Status check(const char* op, const char* arg, int64_t min_rows, int64_t width) const {
+    if (!data.valid() || data.type != GgmlType::F32 || rows_per_slot < (min_rows > 1 ? min_rows : 1) ||
+        data.cols() != width || data.rows() % rows_per_slot)
+      return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected at least {} x {}", op, arg,
+                            data.describe(), rows_per_slot, min_rows, width);
+    return Status::ok();
+  }
 };
 
 // Rows that grow with a sequence (compressed KV entries, indexer keys), in fixed-size pages

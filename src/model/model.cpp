@@ -293,18 +293,17 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
     items.push_back({it.sequence, static_cast<int64_t>(tokens.size()), n, it.sequence->position()});
     tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
   }
-  const bool bucketed =
-      !trace && !config_.is_v41() && static_cast<int64_t>(batch.size()) <= kMaxBucketRows &&
-      ((backend_->supports_graphs() && options_.graphs) || options_.decode_buckets) &&
-      std::all_of(batch.begin(), batch.end(), [](const BatchItem& it) {
-        return it.tokens.size() == 1 && it.sample && !it.all_logits && !it.keep_streams &&
-               static_cast<int64_t>(it.sample->adjust.size()) <= kAdjustPerBucketRow;
-      });
+  // Bucketed steps (decode_step): single-token sampled items, or greedy_rows items of one
+  // token count (speculative verification).
+  const bool can_bucket = !trace && !config_.is_v41() && static_cast<int64_t>(batch.size()) <= kMaxBucketRows &&
+                          ((backend_->supports_graphs() && options_.graphs) || options_.decode_buckets);
   const size_t verify_rows = batch[0].tokens.size();
+  const bool bucketed = can_bucket && std::all_of(batch.begin(), batch.end(), [](const BatchItem& it) {
+    return it.tokens.size() == 1 && it.sample && !it.all_logits && !it.keep_streams &&
+           static_cast<int64_t>(it.sample->adjust.size()) <= kAdjustPerBucketRow;
+  });
   const bool verify_bucketed =
-      !trace && !config_.is_v41() && static_cast<int64_t>(batch.size()) <= kMaxBucketRows &&
-      static_cast<int64_t>(verify_rows) <= kMaxVerifyRows &&
-      ((backend_->supports_graphs() && options_.graphs) || options_.decode_buckets) &&
+      can_bucket && static_cast<int64_t>(verify_rows) <= kMaxVerifyRows &&
       std::all_of(batch.begin(), batch.end(), [&](const BatchItem& it) {
         return it.greedy_rows && it.tokens.size() == verify_rows && !it.sample && !it.all_logits;
       });
@@ -340,8 +339,10 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
   std::vector<int32_t> wanted;    // stream rows that get logits
   std::vector<int32_t> returned;  // rows of `wanted` whose logits go back
   std::vector<int32_t> sampled;   // rows of `wanted` that sample, in batch order
-  std::vector<int32_t> greedy;    // rows of `wanted` whose greedy token goes back (greedy_rows)
+  std::vector<int32_t> sampled_item;  // per sampled row: its item (a `sample`), or -1 (a greedy row)
   std::vector<int32_t> params, adjust;
+  SampleSpec greedy;  // greedy_rows: every row's arg-max
+  greedy.temperature = 0;
   out.streams.clear();
   out.row_tokens.clear();
   out.tokens.assign(batch.size(), -1);
@@ -351,7 +352,11 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
     if (bi.all_logits || bi.greedy_rows)
       for (int64_t j = 0; j < it.n; ++j) {
         if (bi.all_logits) returned.push_back(static_cast<int32_t>(wanted.size()));
-        if (bi.greedy_rows) greedy.push_back(static_cast<int32_t>(wanted.size()));
+        if (bi.greedy_rows) {
+          append_sample_spec(greedy, static_cast<int32_t>(sampled.size()), params, adjust);
+          sampled.push_back(static_cast<int32_t>(wanted.size()));
+          sampled_item.push_back(-1);
+        }
         wanted.push_back(static_cast<int32_t>(it.row0 + j));
       }
     else
@@ -360,6 +365,7 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
     if (bi.sample) {
       append_sample_spec(*bi.sample, static_cast<int32_t>(sampled.size()), params, adjust);
       sampled.push_back(static_cast<int32_t>(wanted.size() - 1));
+      sampled_item.push_back(static_cast<int32_t>(i));
     }
     if (bi.keep_streams) {
       const size_t at = out.streams.size();
@@ -396,23 +402,12 @@ Status Model::forward(std::span<const BatchItem> batch, ForwardOutput& out, Forw
     DSV4_TRY(backend_->sample(sub, params_t, adjust.empty() ? nullptr : &adjust_t, chosen));
     std::vector<int32_t> host(m);
     DSV4_TRY(backend_->download(chosen, host.data(), m * sizeof(int32_t)));
-    for (size_t i = 0, j = 0; i < batch.size(); ++i)
-      if (batch[i].sample) out.tokens[i] = host[j++];
-  }
-  if (!greedy.empty()) {  // arg-max rows, as a bucketed verify step samples them
-    const int64_t m = static_cast<int64_t>(greedy.size());
-    std::vector<int32_t> greedy_params, no_adjust;
-    SampleSpec spec;
-    spec.temperature = 0;
-    for (int64_t j = 0; j < m; ++j) append_sample_spec(spec, static_cast<int32_t>(j), greedy_params, no_adjust);
-    DSV4_ASSIGN_OR_RETURN(Tensor rows, fp.upload_i32(greedy, {m}));
-    DSV4_ASSIGN_OR_RETURN(Tensor sub, fp.f32({m, vocab}));
-    DSV4_TRY(backend_->get_rows(logits, rows, sub));
-    DSV4_ASSIGN_OR_RETURN(Tensor params_t, fp.upload_i32(greedy_params, {m, backend::kSampleFields}));
-    DSV4_ASSIGN_OR_RETURN(Tensor chosen, fp.i32({m}));
-    DSV4_TRY(backend_->sample(sub, params_t, nullptr, chosen));
-    out.row_tokens.resize(static_cast<size_t>(m));
-    DSV4_TRY(backend_->download(chosen, out.row_tokens.data(), m * sizeof(int32_t)));
+    for (int64_t j = 0; j < m; ++j) {
+      if (sampled_item[j] >= 0)
+        out.tokens[sampled_item[j]] = host[j];
+      else
+        out.row_tokens.push_back(host[j]);  // greedy rows, in batch order
+    }
   }
   out.rows = static_cast<int64_t>(returned.size());
   out.logits.resize(out.rows * vocab);

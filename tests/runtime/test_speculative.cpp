@@ -66,11 +66,11 @@ class Speculative : public ::testing::Test {
   }
   void SetUp() override { ASSERT_TRUE(model_); }
 
-  static std::unique_ptr<Sequence> sequence(bool with_mtp = true) {
+  static std::unique_ptr<Sequence> sequence(bool with_mtp = true, const Model* on = nullptr) {
     SequenceOptions so;
     so.max_context = 160;
     so.with_mtp = with_mtp;
-    auto s = model_->new_sequence(so);
+    auto s = (on ? *on : *model_).new_sequence(so);
     EXPECT_TRUE(s.is_ok()) << s.status().message();
     return std::move(s).value();
   }
@@ -117,11 +117,12 @@ class Speculative : public ::testing::Test {
     }
     return out;
   }
-  // Speculative greedy decoding of at least `n` tokens (first n returned).
+  // Speculative greedy decoding of at least `n` tokens (first n returned), on `on` (default:
+  // the suite's model).
   static std::vector<int32_t> greedy_speculative(std::span<const int32_t> prompt, size_t n, SpecOptions o,
-                                                 SpecStats* stats = nullptr) {
-    auto seq = sequence();
-    SpeculativeDecoder dec(*model_, std::move(o));
+                                                 SpecStats* stats = nullptr, const Model* on = nullptr) {
+    auto seq = sequence(true, on);
+    SpeculativeDecoder dec(on ? *on : *model_, std::move(o));
     SpecSequence s;
     s.sequence = seq.get();
     auto first = dec.start(s, prompt);
@@ -342,24 +343,7 @@ TEST_F(Speculative, GreedyEqualsPlainGreedyOnTheBucketedVerifyStep) {
   const std::vector<int32_t> want = greedy_reference(prompt, 40);
   for (int k : {1, 3, 4}) {
     SCOPED_TRACE(k);
-    SequenceOptions so;
-    so.max_context = 160;
-    so.with_mtp = true;
-    auto seq = std::move((*bucketed)->new_sequence(so)).value();
-    SpeculativeDecoder dec(**bucketed, fixed_k(k));
-    SpecSequence sp;
-    sp.sequence = seq.get();
-    auto first = dec.start(sp, prompt);
-    ASSERT_TRUE(first.is_ok()) << first.status().message();
-    std::vector<int32_t> got{*first};
-    std::vector<std::vector<int32_t>> emitted;
-    SpecSequence* one = &sp;
-    while (got.size() < want.size()) {
-      ASSERT_TRUE(dec.step(std::span<SpecSequence* const>(&one, 1), emitted).is_ok());
-      got.insert(got.end(), emitted[0].begin(), emitted[0].end());
-    }
-    got.resize(want.size());
-    EXPECT_EQ(got, want);
+    EXPECT_EQ(greedy_speculative(prompt, want.size(), fixed_k(k), nullptr, bucketed->get()), want);
   }
 }
 

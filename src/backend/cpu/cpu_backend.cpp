@@ -114,23 +114,6 @@ Status expect_paged(const PagedRows& p, const char* op, int64_t width) {
   return Status::ok();
 }
 
-Status expect_slots(const SlotRows& r, const char* op, const char* arg, int64_t rows_per_slot, int64_t width) {
-  if (!r.data.valid() || r.data.type != GgmlType::F32 || r.rows_per_slot != rows_per_slot ||
-      r.data.cols() != width || r.data.rows() % std::max<int64_t>(rows_per_slot, 1))
-    return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected {} x {}", op, arg,
-                          r.data.describe(), r.rows_per_slot, rows_per_slot, width);
-  return Status::ok();
-}
-
-// A ring of positions (backend.h): at least `min_rows` rows per slot.
-Status expect_ring(const SlotRows& r, const char* op, const char* arg, int64_t min_rows, int64_t width) {
-  if (!r.data.valid() || r.data.type != GgmlType::F32 || r.rows_per_slot < std::max<int64_t>(min_rows, 1) ||
-      r.data.cols() != width || r.data.rows() % r.rows_per_slot)
-    return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected at least {} x {}", op, arg,
-                          r.data.describe(), r.rows_per_slot, min_rows, width);
-  return Status::ok();
-}
-
 bool slot_ok(const SlotRows& r, int32_t slot) { return slot >= 0 && (int64_t{slot} + 1) * r.rows_per_slot <= r.data.rows(); }
 
 }  // namespace
@@ -495,7 +478,7 @@ Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const S
   DSV4_TRY(expect(q, "attention", "q", GgmlType::F32, n, n_heads * d));
   DSV4_TRY(expect(sink, "attention", "sink", GgmlType::F32, -1, n_heads));
   DSV4_TRY(expect(out, "attention", "out", GgmlType::F32, n, n_heads * d));
-  DSV4_TRY(expect_ring(keys.ring, "attention", "ring", win, d));
+  DSV4_TRY(keys.ring.check("attention", "ring", win, d));
   const bool selected = keys.selected.valid();
   if (keys.ratio) DSV4_TRY(expect_paged(keys.entries, "attention", d));
   if (selected) DSV4_TRY(expect(keys.selected, "attention", "selected", GgmlType::I32, n, -1));
@@ -564,7 +547,7 @@ Status CpuBackend::store_window(const Tensor& kv, const StepRows& rows, int64_t 
   const int64_t d = kv.cols();
   DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "store_window"));
   DSV4_TRY(expect(kv, "store_window", "kv", GgmlType::F32, rows.n, -1));
-  DSV4_TRY(expect_ring(ring, "store_window", "ring", window, d));
+  DSV4_TRY(ring.check("store_window", "ring", window, d));
   for (int64_t s = 0; s < v.n_seqs; ++s) {
     const int32_t* f = v.seq(s);
     if (!slot_ok(ring, f[kSeqSlot]))
@@ -588,8 +571,11 @@ Status CpuBackend::compress(const Tensor& kv, const Tensor& score, const Tensor&
   DSV4_TRY(expect(kv, "compress", "kv", GgmlType::F32, n, o * w));
   DSV4_TRY(expect(score, "compress", "score", GgmlType::F32, n, o * w));
   DSV4_TRY(expect(ape, "compress", "ape", GgmlType::F32, ratio, o * w));
-  DSV4_TRY(expect_ring(state_kv, "compress", "state_kv", o * ratio, o * w));
-  DSV4_TRY(expect_slots(state_score, "compress", "state_score", state_kv.rows_per_slot, o * w));
+  DSV4_TRY(state_kv.check("compress", "state_kv", o * ratio, o * w));
+  DSV4_TRY(state_score.check("compress", "state_score", o * ratio, o * w));
+  if (state_score.rows_per_slot != state_kv.rows_per_slot)
+    return Status::errorf(StatusCode::kInternal, "compress: state rows per slot {} (kv) and {} (score)",
+                          state_kv.rows_per_slot, state_score.rows_per_slot);
   DSV4_TRY(expect(pooled, "compress", "pooled", GgmlType::F32, n, w));
   for (int64_t s = 0; s < v.n_seqs; ++s)
     if (!slot_ok(state_kv, v.seq(s)[kSeqSlot]) || !slot_ok(state_score, v.seq(s)[kSeqSlot]))

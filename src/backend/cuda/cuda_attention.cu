@@ -42,20 +42,9 @@ Result<StepMeta> meta_of(const StepRows& rows, const char* op) {
                   static_cast<const int32_t*>(rows.row_seq.data), static_cast<const int32_t*>(rows.seqs.data)};
 }
 
-Result<DeviceRows> slots_of(const SlotRows& r, const char* op, const char* arg, int64_t rows_per_slot, int64_t width) {
-  if (!r.data.valid() || r.data.type != GgmlType::F32 || r.rows_per_slot != rows_per_slot || r.data.cols() != width ||
-      (rows_per_slot > 0 && r.data.rows() % rows_per_slot))
-    return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected {} x {}", op, arg,
-                          r.data.describe(), r.rows_per_slot, rows_per_slot, width);
-  return rows_of(r.data, op, arg, -1, width);
-}
-
-// A ring of positions (backend.h): at least `min_rows` rows per slot.
+// A ring of positions (backend.h), checked as every backend checks it.
 Result<DeviceRows> ring_of(const SlotRows& r, const char* op, const char* arg, int64_t min_rows, int64_t width) {
-  if (!r.data.valid() || r.data.type != GgmlType::F32 || r.rows_per_slot < std::max<int64_t>(min_rows, 1) ||
-      r.data.cols() != width || r.data.rows() % r.rows_per_slot)
-    return Status::errorf(StatusCode::kInternal, "{}: {} {} with {} rows per slot, expected at least {} x {}", op, arg,
-                          r.data.describe(), r.rows_per_slot, min_rows, width);
+  DSV4_TRY(r.check(op, arg, min_rows, width));
   return rows_of(r.data, op, arg, -1, width);
 }
 
@@ -141,7 +130,10 @@ Status CudaBackend::compress(const Tensor& kv, const Tensor& score, const Tensor
   DSV4_ASSIGN_OR_RETURN(a.score, rows_of(score, "compress", "score", n, o * w));
   DSV4_ASSIGN_OR_RETURN(a.ape, rows_of(ape, "compress", "ape", ratio, o * w));
   DSV4_ASSIGN_OR_RETURN(a.state_kv, ring_of(state_kv, "compress", "state_kv", o * ratio, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.state_score, slots_of(state_score, "compress", "state_score", state_kv.rows_per_slot, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.state_score, ring_of(state_score, "compress", "state_score", o * ratio, o * w));
+  if (state_score.rows_per_slot != state_kv.rows_per_slot)
+    return Status::errorf(StatusCode::kInternal, "compress: state rows per slot {} (kv) and {} (score)",
+                          state_kv.rows_per_slot, state_score.rows_per_slot);
   a.state_rows = state_kv.rows_per_slot;
   DSV4_ASSIGN_OR_RETURN(a.pooled, rows_of(pooled, "compress", "pooled", n, w));
   a.ratio = ratio;
