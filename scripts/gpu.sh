@@ -27,7 +27,9 @@
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
 #   spec       dsv4 bench --parts spec on the same file (it has its MTP block): MTP speculation's
-#              verify, draft and rollback costs at batch 1 and 16 (issue 15)
+#              verify, draft and rollback costs at batch 1 and 16 (issue 15); the same and
+#              decode at 1/16/64 sequences with --batch-invariant (its cost); dsv4 run
+#              --spec 3 against --spec 0 (DSV4_GPU_SPEC_MODES: exact fast invariant)
 #   serve      dsv4 serve --backend cuda on the same file, 1/16/64 streaming clients
 #              (bench/bench_serve_load.py: time to first token, per output token, tok/s)
 #   profile    ncu's per-kernel GPU time of decode steps (no graphs; 1 and 16 sequences) and a
@@ -360,7 +362,7 @@ if has flash || has serve || has spec; then
   if has flash && [ -f "$flash" ]; then
     step dsv4_flash 300 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" \
       --parts "${DSV4_GPU_FLASH_PARTS:-prefill,decode,aggregate}" \
-      --depths 4096,32768,131072 --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
+      --depths "${DSV4_GPU_FLASH_DEPTHS:-4096,32768,131072}" --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
       --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
   fi
@@ -375,15 +377,34 @@ if has flash || has serve || has spec; then
   fi
   # MTP speculation's parts at 43 layers: plain step, verify k = 1..4, draft, rollback (rewind).
   if has spec && [ -f "$flash" ]; then
-    step dsv4_spec 150 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" --parts spec \
-      --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"
-    grep -a '^TABLE|' "$work/dsv4_spec.log" | cut -d'|' -f3-6
-    # `dsv4 run` greedy on the same file with --spec 3 and without: in the exact mode the
-    # replies must be the same tokens (asserted); in the quantised mode they are reported
-    # (the multi-row kernels sum in another order than the one-row ones: docs/CUDA.md).
+    if [ "${DSV4_GPU_SPEC_DEFAULT:-1}" = 1 ]; then
+      step dsv4_spec 150 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" --parts spec \
+        --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"
+      grep -a '^TABLE|' "$work/dsv4_spec.log" | cut -d'|' -f3-6
+    fi
+    # The batch-invariant kernels' cost (--batch-invariant: decode at 1, 16 and 64 sequences
+    # and speculation's verify), against the default kernels' figures of the steps above.
+    if [ "${DSV4_GPU_INVARIANT:-1}" = 1 ]; then
+      step dsv4_invariant 150 "$bin/dsv4" bench -m "$flash" --backend cuda --batch-invariant \
+        --label "flash$layers-invariant" --parts decode,aggregate --depths 4096 --batches 16,64 \
+        --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_invariant.json"
+      grep -a '^TABLE|' "$work/dsv4_invariant.log" | cut -d'|' -f3-6
+      # Apart: the speculation part's caches (MTP, k extra rows) at 64 sequences on top of
+      # the aggregate's leave the 43-layer file too little memory.
+      step dsv4_invariant_spec 150 "$bin/dsv4" bench -m "$flash" --backend cuda --batch-invariant \
+        --label "flash$layers-invariant" --parts spec --batches 16 --batch-depth 4096 --steps 8 --repeats 3 \
+        --json "$work/dsv4_invariant_spec.json"
+      grep -a '^TABLE|' "$work/dsv4_invariant_spec.log" | cut -d'|' -f3-6
+    fi
+    # `dsv4 run` greedy on the same file with --spec 3 and without: in the exact mode and with
+    # the batch-invariant kernels (`invariant`: --fast --batch-invariant) the replies must be
+    # the same tokens (asserted); with the default quantised kernels (`fast`) they are
+    # reported (the multi-row kernels sum in another order than the one-row ones: docs/CUDA.md).
     if [ "${DSV4_GPU_SPEC_RUN:-1}" = 1 ]; then
-      for mode in exact fast; do
-        run_flags=(run -m "$flash" --backend cuda "--$mode" --temp 0 -n "${DSV4_GPU_SPEC_RUN_TOKENS:-24}" --raw
+      for mode in ${DSV4_GPU_SPEC_MODES:-exact fast invariant}; do
+        mode_flags=("--$mode")
+        [ "$mode" = invariant ] && mode_flags=(--fast --batch-invariant)
+        run_flags=(run -m "$flash" --backend cuda "${mode_flags[@]}" --temp 0 -n "${DSV4_GPU_SPEC_RUN_TOKENS:-24}" --raw
                    -p "The quick brown fox" --json)
         step "run_spec_${mode}_on" 200 "$bin/dsv4" "${run_flags[@]}" --spec 3
         step "run_spec_${mode}_off" 200 "$bin/dsv4" "${run_flags[@]}" --spec 0
@@ -402,7 +423,7 @@ if not a or not b:
     sys.exit(0)
 same = a.get("content") == b.get("content") and a.get("reasoning") == b.get("reasoning")
 spec = a.get("speculative", {})
-verdict = ("ok" if same and spec else "failed") if mode == "exact" else "measured"
+verdict = ("ok" if same and spec else "failed") if mode in ("exact", "invariant") else "measured"
 print(f"run_spec_{mode}: {verdict} (same reply: {same}; {spec.get('accepted')} of {spec.get('drafted')} drafts "
       f"accepted, {spec.get('tokens_per_step', 0):.2f} tokens/step; {a.get('generation_tokens_per_second', 0):.1f} "
       f"against {b.get('generation_tokens_per_second', 0):.1f} tok/s)")

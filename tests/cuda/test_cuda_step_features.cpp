@@ -15,6 +15,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/matvec.h"
 #include "backend/sampling.h"
 #include "model/kv_graft.h"
 #include "model/model.h"
@@ -258,10 +259,20 @@ TEST_F(CudaStepFeatures, SteeringAndGraftsMatchTheCpu) {
 //                   routed experts leave the fused decode kernel for the tensor-core tiles,
 //                   whose sums run in another order, so a near-tie can flip, as it can
 //                   between plain decoding at batch 4 and at batch 20 (docs/CUDA.md); those
-//                   cases print where they first differ and are not asserted.
+//                   cases print where they first differ and are not asserted;
+//   quantised, batch-invariant kernels (KernelChoice::batch_invariant)  every case.
 TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
-  for (const backend::MatmulMode mode : {backend::MatmulMode::Exact, backend::MatmulMode::Quantized}) {
-    SCOPED_TRACE(mode == backend::MatmulMode::Exact ? "exact" : "quantized");
+  struct Mode {
+    backend::MatmulMode matmul;
+    bool invariant;
+  };
+  for (const Mode mm : {Mode{backend::MatmulMode::Exact, false}, Mode{backend::MatmulMode::Quantized, false},
+                        Mode{backend::MatmulMode::Quantized, true}}) {
+    const backend::MatmulMode mode = mm.matmul;
+    SCOPED_TRACE(mode == backend::MatmulMode::Exact ? "exact" : mm.invariant ? "quantized, batch-invariant" : "quantized");
+    cuda::KernelChoice choice;
+    choice.batch_invariant = mm.invariant;
+    cuda::set_kernel_choice(choice);
     auto m = load(*gpu_, true, mode);
     ASSERT_TRUE(m && m->has_mtp());
     constexpr size_t kTokens = 48;
@@ -320,7 +331,7 @@ TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
         }
         // Rows of the widest verify step: the bucket of sequences times k + 1.
         const int bucket = n_seqs == 1 ? 1 : 4, widest = bucket * ((k ? k : 4) + 1);
-        const bool asserted = mode == backend::MatmulMode::Exact || widest <= 16;
+        const bool asserted = mode == backend::MatmulMode::Exact || mm.invariant || widest <= 16;
         for (int s = 0; s < n_seqs; ++s) {
           got[s].resize(kTokens);
           if (asserted) {
@@ -335,6 +346,7 @@ TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
       }
     }
   }
+  cuda::set_kernel_choice(cuda::KernelChoice{});
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // random blocks, odd shapes, batched matrices at unaligned offsets, and poisoned outputs.
 #include "backend/cuda/matvec.h"
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 
@@ -118,6 +119,55 @@ TEST_P(MatvecTest, V4FlashShape4096To1024) {
     run_case(type, Case{64, 8192, 1, 1, 0}, rng);
     run_case(type, Case{96, 8192, 1, 16, 0}, rng);
   });
+}
+
+// Batch-invariant mode (KernelChoice::batch_invariant): a row's outputs are the same bits
+// whether it is multiplied alone, with a few rows or with 63 others (either kernel family), and
+// they stay within the usual bounds of the reference (1, 17 and 64 rows, batched matrices).
+TEST_P(MatvecTest, BatchInvariantRowsEqualAlone) {
+  const GgmlType type = GetParam();
+  std::mt19937_64 rng(dsv4::test::test_seed() + 2);
+  SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
+  const int64_t block = ggml_traits(type).block_elems;
+  // Both kernel families: the tensor-core one where it applies, the dp4a one (matvec_mma off).
+  for (const bool mma : {true, false}) {
+    SCOPED_TRACE(mma ? "tensor-core kernels" : "dp4a kernels");
+    KernelChoice invariant;
+    invariant.batch_invariant = true;
+    invariant.matvec_mma = mma;
+    set_kernel_choice(invariant);
+    for (const Case& c : {Case{37, block == 256 ? 768 : 224, 1, 1, 0}, Case{45, 1024, 1, 17, 0}, Case{29, 4096, 1, 64, 0},
+                          Case{13, 512, 3, 20, 2}})
+      run_case(type, c, rng);
+    for (const int64_t k : {int64_t{1024}, int64_t{4096}}) {
+      SCOPED_TRACE("k " + std::to_string(k));
+      constexpr int64_t kN = 70;
+      constexpr int kRows = 64;
+      const auto w = random_weights(type, kN, k, rng);
+      const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(kRows * k), rng);
+      DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
+      const MatvecWeights mw{type, dw.get(), kN, k, 1, 0};
+      DeviceBuffer ws(matvec_workspace_bytes(mw, kRows));
+      DeviceBuffer dy(static_cast<size_t>(kRows * kN) * sizeof(float));
+      const auto product = [&](int first, int rows) {
+        dy.poison();
+        const Status st = matvec(mw, dx.get<float>() + first * k, rows, dy.get<float>(), ws.get(), ws.bytes(), nullptr);
+        EXPECT_TRUE(st.is_ok()) << st.message();
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        return dy.to_host<float>(static_cast<size_t>(rows * kN));
+      };
+      const std::vector<float> all = product(0, kRows);
+      for (const float v : all) ASSERT_TRUE(std::isfinite(v));
+      for (const int rows : {1, 2, 5, 16, 17, 33}) {
+        for (const int first : {0, kRows - rows}) {
+          const std::vector<float> part = product(first, rows);
+          EXPECT_EQ(0, std::memcmp(part.data(), all.data() + first * kN, part.size() * sizeof(float)))
+              << rows << " rows from row " << first << " differ from the same rows among " << kRows;
+        }
+      }
+    }
+  }
+  set_kernel_choice(KernelChoice{});
 }
 
 TEST(Matvec, RejectsBadArguments) {

@@ -6,7 +6,9 @@
 #include "backend/cuda/matvec.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
+#include <utility>
 
 #include "cuda_test_util.h"
 #include "support/test_support.h"
@@ -51,15 +53,21 @@ TEST_P(MoeTest, MatchesCpuReference) {
   // Default kernels (fused decode for 1-16 tokens, tensor-core tiles of 8 or 64 pairs beyond:
   // 16 and 17 tokens on either side of the switch, 40 and 96 tokens give 240 and 576 pairs
   // over 8 experts) and the earlier ones (KernelChoice off).
+  // Batch-invariant mode: the decode path in slices of 16 tokens (17 and 40 tokens).
   struct Run {
     int64_t tokens;
     bool legacy;
+    bool invariant = false;
   };
   for (const Run run : {Run{1, false}, Run{2, false}, Run{5, false}, Run{16, false}, Run{17, false}, Run{40, false},
-                        Run{96, false}, Run{1, true}, Run{2, true}, Run{5, true}, Run{40, true}}) {
+                        Run{96, false}, Run{1, true}, Run{2, true}, Run{5, true}, Run{40, true}, Run{17, false, true},
+                        Run{40, false, true}}) {
     const int64_t tokens = run.tokens;
-    SCOPED_TRACE("tokens " + std::to_string(tokens) + (run.legacy ? ", legacy kernels" : ", default kernels"));
-    set_kernel_choice(run.legacy ? KernelChoice{false, false, false, false, false} : KernelChoice{});
+    SCOPED_TRACE("tokens " + std::to_string(tokens) +
+                 (run.legacy ? ", legacy kernels" : run.invariant ? ", batch-invariant" : ", default kernels"));
+    KernelChoice choice = run.legacy ? KernelChoice{false, false, false, false, false} : KernelChoice{};
+    choice.batch_invariant = run.invariant;
+    set_kernel_choice(choice);
     std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(tokens * hidden), rng);
     double rms = 0.0;
     for (int64_t i = 0; i < 32; ++i) rms += std::pow(product(gate_f, 0, i, x.data(), hidden), 2);
@@ -109,6 +117,19 @@ TEST_P(MoeTest, MatchesCpuReference) {
     ASSERT_CUDA(cudaDeviceSynchronize());
     const auto y = d_y.to_host<float>(want.size());
     EXPECT_LT(relative_error(y, want), kBound);
+    if (run.invariant) {  // each token alone, and the last 3 together: the same bits as in the batch
+      for (const auto [first, count] : {std::pair<int64_t, int64_t>{0, 1}, {tokens - 1, 1}, {tokens / 2, 1},
+                                        {tokens - 3, 3}}) {
+        d_y.poison();
+        const ExpertRouting part{d_ids.get<int32_t>() + first * top_k, d_w.get<float>() + first * top_k, count, top_k};
+        ASSERT_OK(moe_experts(w, d_x.get<float>() + first * hidden, part, kLimit, d_y.get<float>(), ws.get(),
+                              ws.bytes(), nullptr));
+        ASSERT_CUDA(cudaDeviceSynchronize());
+        const auto alone = d_y.to_host<float>(static_cast<size_t>(count * hidden));
+        EXPECT_EQ(0, std::memcmp(alone.data(), y.data() + first * hidden, alone.size() * sizeof(float)))
+            << count << " tokens from token " << first << " differ from the same tokens among " << tokens;
+      }
+    }
   }
   set_kernel_choice(KernelChoice{});
 }

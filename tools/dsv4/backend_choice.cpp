@@ -25,6 +25,9 @@ void add_backend_flags(CLI::App& app, BackendFlags& flags) {
                "the fp32 reference numerics: weights decoded exactly, fp32 products (the CUDA default is the "
                "quantised production path)")
       ->excludes(fast);
+  app.add_flag("--batch-invariant", flags.batch_invariant,
+               "CUDA: decode kernels whose every row is the same bits alone or in a batch of up to 64 rows, so "
+               "--spec gives exactly the tokens decoding without it gives (slower; no effect on the CPU backend)");
   app.add_option("--device-memory", flags.device_memory,
                  "device memory the weights, caches and scratch must fit, e.g. 80G (default: what the GPU has "
                  "free; set, it is checked on the CPU too); also $DSV4_DEVICE_MEMORY");
@@ -95,6 +98,7 @@ Result<ChosenBackend> make_backend(const BackendFlags& flags, const char* comman
   }
 #ifdef DSV4_HAVE_CUDA
   backend::CudaBackendOptions options;
+  options.batch_invariant = flags.batch_invariant;
   if (isatty(STDERR_FILENO)) {
     options.on_upload_progress = [command, last = -1](uint64_t done, uint64_t total) mutable {
       const int percent = total ? static_cast<int>(100 * done / total) : 100;

@@ -21,6 +21,7 @@ struct BackendFlags {
   bool fast = false;             // --fast: Quantized on the CPU too
   bool exact = false;            // --exact: the fp32 reference numerics on any backend
   std::string device_memory;     // --device-memory BYTES (model/device_plan.h)
+  bool batch_invariant = false;  // --batch-invariant: CUDA kernels whose rows do not depend on the batch
 };
 
 // "1048576", "512K", "8M", "2G", "1T" (powers of 1024); the message names `flag`.
@@ -29,7 +30,7 @@ Result<uint64_t> parse_byte_size(const std::string& flag, const std::string& s);
 // --device-memory, else $DSV4_DEVICE_MEMORY, else 0 (the backend's free device memory).
 Result<uint64_t> device_memory_bytes(const BackendFlags& flags);
 
-// --backend, --fast, --exact and --device-memory (the command adds -t/--threads itself where it has one).
+// --backend, --fast, --exact, --batch-invariant and --device-memory (the command adds -t/--threads itself where it has one).
 void add_backend_flags(CLI::App& app, BackendFlags& flags);
 
 bool cuda_built();  // this dsv4 has the CUDA backend

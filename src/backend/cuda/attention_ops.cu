@@ -10,6 +10,8 @@
 #include "backend/cuda/attention_kernels.cuh"
 #include "backend/cuda/attention_mma.cuh"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/matvec.h"
+#include "backend/cuda/mmq.h"
 #include "backend/cuda/top_k_kernel.cuh"
 
 namespace dsv4::cuda {
@@ -125,6 +127,10 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
   DSV4_ASSIGN_OR_RETURN(const DeviceLimits lim, device_limits());
   AttentionPlan p;
   p.tensor_cores = precision == AttentionPrecision::Fast && (a.d == 256 || a.d == 512);
+  // Batch-invariant mode (matvec.h's KernelChoice), steps of decode size: the split of a
+  // row's keys must not depend on the rows beside it, so every key tile is a split of its
+  // own (a row's empty splits weigh nothing in the combine: the same bits as without them).
+  const bool invariant = kernel_choice().batch_invariant && m.n <= kMmaMaxRows;
   p.max_keys = a.window + (a.ratio > 0 ? (a.selected ? a.top : m.max_end / a.ratio) : 0);
   const int tile = p.tensor_cores ? attn::kMmaKeyTile : attn::kKeyTile;
   const int64_t tiles_max = ceil_div(p.max_keys, tile);
@@ -137,7 +143,7 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
   } else {
     // Fewer heads per block only when even one key tile per block leaves multiprocessors idle.
     p.heads_per_block = std::min(64, (a.heads + 7) / 8 * 8);
-    while (p.heads_per_block > 16 && m.n * ceil_div(a.heads, p.heads_per_block) * tiles_max < lim.sms)
+    while (!invariant && p.heads_per_block > 16 && m.n * ceil_div(a.heads, p.heads_per_block) * tiles_max < lim.sms)
       p.heads_per_block /= 2;
     smem = attn::exact_attention_smem(p.heads_per_block, a.d);
     threads = p.heads_per_block * 4;
@@ -153,6 +159,7 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
   const int64_t capacity = lim.sms * per_sm, blocks = m.n * p.head_groups;
   int64_t splits = 1;
   if (blocks > 0 && 2 * blocks <= capacity && tiles_max > 1) splits = std::min(tiles_max, capacity / blocks);
+  if (invariant) splits = std::min<int64_t>(tiles_max, attn::kCombineMaxSplits);
   p.tiles_per_split = static_cast<int>(std::max<int64_t>(1, ceil_div(tiles_max, splits)));
   p.splits = static_cast<int>(std::max<int64_t>(1, ceil_div(tiles_max, p.tiles_per_split)));
   if (p.splits > attn::kCombineMaxSplits) return Status::errorf("attention: {} splits (limit {})", p.splits, attn::kCombineMaxSplits);

@@ -463,9 +463,12 @@ Result<void*> CudaBackend::Impl::scratch_bytes(size_t bytes) {
     const cudaError_t err = cudaMalloc(&p, size);
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear the sticky-free error state of a failed allocation
+      size_t free_bytes = 0, total_bytes = 0;
+      if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) cudaGetLastError();
       return Status::errorf(StatusCode::kResourceExhausted,
-                            "cuda scratch: cannot allocate a chunk of {} bytes ({} in {} chunks already): {}", size,
-                            scratch_total, chunks.size(), cudaGetErrorString(err));
+                            "cuda scratch: cannot allocate a chunk of {} bytes ({} in {} chunks already; device {} of "
+                            "{} bytes free): {}",
+                            size, scratch_total, chunks.size(), free_bytes, total_bytes, cudaGetErrorString(err));
     }
     chunks.push_back({p, size});
     scratch_total += size;
@@ -546,6 +549,11 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
     return Status::errorf(StatusCode::kInternal,
                           "CUDA device {} ({}) has compute capability {}.{}; this build targets sm_90a (Hopper) only",
                           options.device, info.name, info.compute_capability / 10, info.compute_capability % 10);
+  if (options.batch_invariant) {
+    cuda::KernelChoice choice = cuda::kernel_choice();
+    choice.batch_invariant = true;
+    cuda::set_kernel_choice(choice);
+  }
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
   m.options = options;
@@ -749,14 +757,28 @@ void CudaBackend::begin_step() {
   Impl& m = *impl_;
   if (m.chunks.size() > 1) {  // one chunk of the total from now on
     if (cudaStreamSynchronize(m.stream) != cudaSuccess) cudaGetLastError();
-    for (const Impl::Chunk& c : m.chunks) cudaFree(c.ptr);
+    std::vector<size_t> sizes;
+    for (const Impl::Chunk& c : m.chunks) {
+      sizes.push_back(c.bytes);
+      cudaFree(c.ptr);
+    }
     m.chunks.clear();
     void* p = nullptr;
     if (cudaMalloc(&p, m.scratch_total) == cudaSuccess) {
       m.chunks.push_back({p, m.scratch_total});
     } else {
-      cudaGetLastError();  // scratch() allocates again and reports what fails
+      // Not in one piece (fragmented or nearly full memory): the chunks the last step held
+      // again, which fit a moment ago, so a graph captured next finds its arena grown.
+      cudaGetLastError();
       m.scratch_total = 0;
+      for (const size_t bytes : sizes) {
+        if (cudaMalloc(&p, bytes) != cudaSuccess) {
+          cudaGetLastError();  // scratch() allocates again and reports what fails
+          break;
+        }
+        m.chunks.push_back({p, bytes});
+        m.scratch_total += bytes;
+      }
     }
   }
   m.chunk = 0;
@@ -953,9 +975,11 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
   }
   if (!quantized) return exact_product(m, wm, xv, yv);
   if (xv.rows <= cuda::kMatvecMaxRows) return matvec_product(m, wm, xv, yv);
-  // 17-64 rows: the int8 tensor-core kernels where they take the type (mmq.h).
+  // 17-64 rows: the int8 tensor-core kernels where they take the type (mmq.h); in
+  // batch-invariant mode the dp4a kernel's slices of 16 rows (matvec.h).
   const cuda::MatvecWeights mw{w.type, w.data, n_out, n_in, 1, 0};
-  if (xv.rows <= cuda::kMmaMaxRows && cuda::mma_matmul_applies(mw, static_cast<int>(xv.rows)))
+  if (xv.rows <= cuda::kMmaMaxRows &&
+      (cuda::kernel_choice().batch_invariant || cuda::mma_matmul_applies(mw, static_cast<int>(xv.rows))))
     return matvec_product(m, wm, xv, yv);
   return gemm_product(m, wm, xv, yv);
 }

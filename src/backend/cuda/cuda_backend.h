@@ -34,6 +34,11 @@ struct CudaBackendOptions {
   // First scratch chunk; scratch grows by further chunks between steps when a step needed
   // more (a graph capture needs the arena already grown: run the step once first).
   size_t scratch_bytes = kDefaultDeviceScratchBytes;
+  // Batch-invariant decode kernels (cuda::KernelChoice::batch_invariant, matvec.h): in steps
+  // of up to 64 rows a row's logits are the same bits whatever else the step holds (other
+  // sequences, or MTP speculation's verify rows), at some speed (docs/PERFORMANCE.md). The
+  // kernel choice is process-wide: set here, it holds for every backend of the process.
+  bool batch_invariant = false;
   // Called during weight upload with (bytes done, bytes total); empty: quiet.
   std::function<void(uint64_t, uint64_t)> on_upload_progress;
 };

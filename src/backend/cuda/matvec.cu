@@ -85,6 +85,52 @@ Status launch_one_row(GgmlType type, const MatvecArgs& a, const KernelChoice& ch
   return Status::ok();
 }
 
+// The general kernel for one task of at most kMatvecMaxRows rows.
+Status launch_general(GgmlType type, const MatvecArgs& a, int rows, cudaStream_t stream) {
+  switch (type) {
+    case GgmlType::BF16: return launch_rows<detail::Bf16Policy>(a, rows, stream);
+    case GgmlType::Q8_0: return launch_rows<detail::QuantPolicy<GgmlType::Q8_0>>(a, rows, stream);
+    case GgmlType::Q2_K: return launch_rows<detail::QuantPolicy<GgmlType::Q2_K>>(a, rows, stream);
+    case GgmlType::Q3_K: return launch_rows<detail::QuantPolicy<GgmlType::Q3_K>>(a, rows, stream);
+    case GgmlType::Q4_K: return launch_rows<detail::QuantPolicy<GgmlType::Q4_K>>(a, rows, stream);
+    case GgmlType::Q6_K: return launch_rows<detail::QuantPolicy<GgmlType::Q6_K>>(a, rows, stream);
+    case GgmlType::MXFP4: return launch_rows<detail::QuantPolicy<GgmlType::MXFP4>>(a, rows, stream);
+    case GgmlType::IQ2_XXS: return launch_rows<detail::QuantPolicy<GgmlType::IQ2_XXS>>(a, rows, stream);
+    default: {
+      detail::MatvecCall call;
+      call.rows = rows;
+      return detail::run_added_types(type, a, call, stream);
+    }
+  }
+}
+
+// Batch-invariant mode where the tensor-core kernels do not apply (or are switched off): every
+// matrix and every slice of up to kMatvecMaxRows rows through the general kernel, whose per-row sums (each lane's units in order, then the lane group's
+// shuffle tree, matvec_kernel.cuh) do not depend on how many rows share the pass. `a` holds
+// the whole product's activations (quantised, or f32 for BF16).
+Status invariant_slices(const MatvecWeights& w, const MatvecArgs& a, int rows, float* y, cudaStream_t stream) {
+  for (int64_t b = 0; b < w.batch; ++b) {
+    for (int r0 = 0; r0 < rows; r0 += kMatvecMaxRows) {
+      const int n_rows = std::min(kMatvecMaxRows, rows - r0);
+      const int64_t row = b * rows + r0;  // first activation row of the slice
+      MatvecArgs s = a;
+      s.w[0] = a.w[0] + b * a.matrix_stride;
+      s.n_tasks = 1;
+      s.act_rows = n_rows;
+      s.out = y + row * w.n;
+      if (a.act.q != nullptr) {
+        s.act.q = a.act.q + row * a.act.padded_k;
+        s.act.d = a.act.d + row * (a.act.padded_k / 32);
+        s.act.s16 = a.act.s16 + row * (a.act.padded_k / 32) * 2;
+      } else {
+        s.act.f = a.act.f + row * w.k;
+      }
+      DSV4_TRY(launch_general(w.type, s, n_rows, stream));
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 namespace {
@@ -97,6 +143,8 @@ KernelChoice g_choice;
 // DSV4_CUDA_LEGACY: "all" or names separated by commas (KernelChoice).
 KernelChoice choice_from_environment() {
   KernelChoice c;
+  if (const char* inv = std::getenv("DSV4_CUDA_BATCH_INVARIANT"); inv != nullptr && std::string(inv) == "1")
+    c.batch_invariant = true;
   const char* env = std::getenv("DSV4_CUDA_LEGACY");
   if (env == nullptr) return c;
   std::stringstream list(env);
@@ -246,11 +294,15 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   const std::string name(ggml_type_name(w.type));
   if (!matvec_supported(w.type)) return Status::error("matvec: weight type " + name + " is not supported");
   const KernelChoice choice = kernel_choice();
-  const bool mma = rows >= 2 && choice.matvec_mma && mma_matmul_applies(w, rows);
-  if (rows < 1 || (rows > kMatvecMaxRows && !mma))
+  // Batch-invariant mode: the tensor-core kernels for every row count where they apply (a
+  // column's sums do not depend on the columns beside it, mmq_kernel.cuh), one row included;
+  // else the general dp4a kernel (invariant_slices).
+  const bool invariant = choice.batch_invariant;
+  const bool mma = (rows >= 2 || invariant) && choice.matvec_mma && mma_matmul_applies(w, rows);
+  if (rows < 1 || (rows > kMatvecMaxRows && !mma && !(invariant && rows <= kMmaMaxRows)))
     return Status::error("matvec: " + std::to_string(rows) + " activation rows of " + name + ", supported 1.." +
                          std::to_string(kMatvecMaxRows) + " (up to " + std::to_string(kMmaMaxRows) +
-                         " on the tensor-core path, mma_matmul_applies)");
+                         " on the tensor-core path, mma_matmul_applies, or batch-invariant)");
   const auto& traits = ggml_traits(w.type);
   if (w.n <= 0 || w.k <= 0 || w.batch <= 0 || w.k % traits.block_elems != 0 || w.k % 32 != 0)
     return Status::error("matvec: shape batch " + std::to_string(w.batch) + " x n " + std::to_string(w.n) + " x k " +
@@ -273,6 +325,10 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act.k = w.k;
   a.out = y;
   if (w.type == GgmlType::BF16) {
+    if (invariant) {
+      a.act.f = x;
+      return invariant_slices(w, a, rows, y, stream);
+    }
     if (choice.matvec_bf16 && detail::bf16_streaming_applies(w) && reinterpret_cast<uintptr_t>(x) % 16 == 0)
       return detail::matvec_bf16(w, x, rows, y, stream);
     a.act.f = x;
@@ -280,7 +336,7 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   }
   if (mma) return mma_matmul(w, x, rows, y, workspace, workspace_bytes, stream);
   // One row of one matrix: the row kernel quantises x itself when it applies.
-  if (rows == 1 && w.batch == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+  if (!invariant && rows == 1 && w.batch == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     a.act.f = x;
     bool launched = false;
     DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
@@ -296,25 +352,13 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act.padded_k = q.padded_k;
   a.act.unit_weights = q.layout.unit_weights;
   a.act.lanes = q.layout.lanes;
+  if (invariant) return invariant_slices(w, a, rows, y, stream);
   if (rows == 1) {
     bool launched = false;
     DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
     if (launched) return Status::ok();
   }
-  switch (w.type) {
-    case GgmlType::Q8_0: return launch_rows<detail::QuantPolicy<GgmlType::Q8_0>>(a, rows, stream);
-    case GgmlType::Q2_K: return launch_rows<detail::QuantPolicy<GgmlType::Q2_K>>(a, rows, stream);
-    case GgmlType::Q3_K: return launch_rows<detail::QuantPolicy<GgmlType::Q3_K>>(a, rows, stream);
-    case GgmlType::Q4_K: return launch_rows<detail::QuantPolicy<GgmlType::Q4_K>>(a, rows, stream);
-    case GgmlType::Q6_K: return launch_rows<detail::QuantPolicy<GgmlType::Q6_K>>(a, rows, stream);
-    case GgmlType::MXFP4: return launch_rows<detail::QuantPolicy<GgmlType::MXFP4>>(a, rows, stream);
-    case GgmlType::IQ2_XXS: return launch_rows<detail::QuantPolicy<GgmlType::IQ2_XXS>>(a, rows, stream);
-    default: {
-      detail::MatvecCall call;
-      call.rows = rows;
-      return detail::run_added_types(w.type, a, call, stream);
-    }
-  }
+  return launch_general(w.type, a, rows, stream);
 }
 
 }  // namespace dsv4::cuda

@@ -52,6 +52,15 @@ struct KernelChoice {
   bool matvec_mma = true;        // "mma": 2-64 rows on the int8 tensor cores (else dp4a, at most 16)
   bool moe_decode = true;        // "moe_decode": 1-2 tokens through moe_decode.cu's two fused kernels
   bool moe_mma = true;           // "moe_mma": expert tiles of more tokens on the int8 tensor cores
+  // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or
+  // CudaBackendOptions::batch_invariant). Every product of 1-64 activation rows runs a kernel
+  // whose per-row arithmetic does not depend on the rows beside it: the int8 tensor-core
+  // kernels (mmq.h) where they apply, one row included (no one-row kernel), else the general
+  // dp4a kernel in slices of 16 rows; the routed experts the per-token decode path in slices
+  // of 16 tokens; attention a fixed split of the keys (attention_ops.cu). A row's
+  // result is then the same bits whatever else the step holds: a sequence alone or with 63
+  // others, a verify row of MTP speculation or a plain decode step. Slower (docs/PERFORMANCE.md).
+  bool batch_invariant = false;
 };
 KernelChoice kernel_choice();
 void set_kernel_choice(const KernelChoice& choice);
@@ -68,7 +77,7 @@ bool programmatic_launch();
 size_t matvec_workspace_bytes(const MatvecWeights& w, int rows);
 
 // x: [batch][rows][k] f32, y: [batch][rows][n] f32, device memory; 1 <= rows <= 16, or up to
-// 64 where mma_matmul_applies (mmq.h) and kernel_choice().matvec_mma.
+// 64 where mma_matmul_applies (mmq.h) and kernel_choice().matvec_mma, or in batch-invariant mode.
 Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* workspace, size_t workspace_bytes,
               cudaStream_t stream);
 

@@ -288,6 +288,21 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   auto* ws = static_cast<uint8_t*>(workspace);
   const bool decode = tokens <= kMoeDecodeMaxTokens;
   const KernelChoice choice = kernel_choice();
+  // Batch-invariant mode: the per-token decode path in slices of kMoeDecodeMaxTokens tokens,
+  // each token's pairs computed on their own (no tiles shared with other tokens). The
+  // slices run one after another in the stream and reuse the workspace, which the whole
+  // call's sizing covers (a slice's layout is the decode layout, the smallest).
+  if (choice.batch_invariant && !decode) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += kMoeDecodeMaxTokens) {
+      ExpertRouting slice = routing;
+      slice.tokens = std::min(kMoeDecodeMaxTokens, tokens - t0);
+      slice.ids = routing.ids + t0 * routing.top_k;
+      slice.weights = routing.weights + t0 * routing.top_k;
+      DSV4_TRY(moe_experts(w, x + t0 * w.hidden, slice, swiglu_limit, y + t0 * w.hidden, workspace, workspace_bytes,
+                           stream));
+    }
+    return Status::ok();
+  }
   if (decode && choice.moe_decode && detail::moe_decode_applies(w, tokens, routing.top_k) &&
       reinterpret_cast<uintptr_t>(x) % 16 == 0)
     return detail::moe_decode(w, x, routing, swiglu_limit, y, workspace, workspace_bytes, stream);
