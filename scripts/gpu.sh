@@ -42,7 +42,10 @@
 #   kernels    the kernel benchmarks (cuda_bench_*; DSV4_GPU_BENCHES names a subset, "" none)
 # Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_BUILD=0 (use
 # the staged binaries even where the build dependencies exist), DSV4_GPU_SHM (where the
-# model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu).
+# model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu);
+# DSV4_GPU_FLASH_PARTS / _DEPTHS (the flash figures), DSV4_GPU_SPEC_DEFAULT=0 (no default-kernel
+# spec part), DSV4_GPU_INVARIANT=0 (no --batch-invariant figures), DSV4_GPU_INVARIANT_BATCHES
+# (16,64), DSV4_GPU_SPEC_RUN=0 (no dsv4 run comparison).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
 # peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
@@ -386,7 +389,7 @@ if has flash || has serve || has spec; then
     # and speculation's verify), against the default kernels' figures of the steps above.
     if [ "${DSV4_GPU_INVARIANT:-1}" = 1 ]; then
       step dsv4_invariant 150 "$bin/dsv4" bench -m "$flash" --backend cuda --batch-invariant \
-        --label "flash$layers-invariant" --parts decode,aggregate --depths 4096 --batches 16,64 \
+        --label "flash$layers-invariant" --parts decode,aggregate --depths 4096 --batches "${DSV4_GPU_INVARIANT_BATCHES:-16,64}" \
         --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_invariant.json"
       grep -a '^TABLE|' "$work/dsv4_invariant.log" | cut -d'|' -f3-6
       # Apart: the speculation part's caches (MTP, k extra rows) at 64 sequences on top of
