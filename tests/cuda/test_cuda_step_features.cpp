@@ -215,6 +215,29 @@ TEST_F(CudaStepFeatures, GraphReplayedDecodeMatchesTheCpu) {
   }
 }
 
+// A scratch arena of many chunks (a 64 KB first chunk): the decode step that outgrew it is
+// recorded without allocating (begin_step does not merge chunks while capturing), and a
+// prefill that grows the arena after the graphs exist leaves their memory in place (no merge
+// once a graph holds the addresses): the replayed tokens stay those of direct launches.
+TEST_F(CudaStepFeatures, GraphsSurviveAGrowingScratch) {
+  backend::CudaBackendOptions o;
+  o.scratch_bytes = 64 << 10;
+  auto small = backend::CudaBackend::create(o);
+  ASSERT_TRUE(small.is_ok()) << small.status().message();
+  auto m = load(**small), direct = load(*gpu_, false);
+  ASSERT_TRUE(m && direct);
+  const auto want = sampled_run(*direct, true);
+  ASSERT_EQ(want.size(), 36u);
+  EXPECT_EQ(sampled_run(*m, true), want) << "graphs recorded over a many-chunk arena";
+  {  // grow the arena past what the recorded steps used
+    SequenceOptions so;
+    so.max_context = 200;
+    auto seq = std::move(m->new_sequence(so)).value();
+    ASSERT_TRUE(m->prefill(*seq, tokens(150, 9)).is_ok());
+  }
+  EXPECT_EQ(sampled_run(*m, true), want) << "replays after the arena grew";
+}
+
 TEST_F(CudaStepFeatures, SteeringAndGraftsMatchTheCpu) {
   auto cm = load(*cpu_), gm = load(*gpu_);
   ASSERT_TRUE(cm && gm);

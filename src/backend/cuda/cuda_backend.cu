@@ -755,7 +755,12 @@ Status CudaBackend::fill(const Tensor& t, float value) {
 
 void CudaBackend::begin_step() {
   Impl& m = *impl_;
-  if (m.chunks.size() > 1) {  // one chunk of the total from now on
+  // One chunk of the total from now on, but never while a graph is being recorded (no
+  // allocation may happen then: the step that needed the chunks ran just before and its
+  // recording needs the same) nor once any graph holds the chunks' addresses (freeing them
+  // would leave its replays writing to freed memory). A 48-row step of --batch-invariant on the
+  // 43-layer file outgrew the first chunk and lost its arena at the recording's begin_step.
+  if (m.chunks.size() > 1 && !m.capturing && m.graphs.empty()) {
     if (cudaStreamSynchronize(m.stream) != cudaSuccess) cudaGetLastError();
     std::vector<size_t> sizes;
     for (const Impl::Chunk& c : m.chunks) {
