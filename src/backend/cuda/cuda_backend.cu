@@ -981,7 +981,7 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
   if (!quantized) return exact_product(m, wm, xv, yv);
   if (xv.rows <= cuda::kMatvecMaxRows) return matvec_product(m, wm, xv, yv);
   // 17-64 rows: the int8 tensor-core kernels where they take the type (mmq.h); in
-  // batch-invariant mode the dp4a kernel's slices of 16 rows (matvec.h).
+  // batch-invariant mode always matvec (else its dp4a kernel in slices of 16 rows, matvec.h).
   const cuda::MatvecWeights mw{w.type, w.data, n_out, n_in, 1, 0};
   if (xv.rows <= cuda::kMmaMaxRows &&
       (cuda::kernel_choice().batch_invariant || cuda::mma_matmul_applies(mw, static_cast<int>(xv.rows))))

@@ -105,9 +105,10 @@ Status launch_general(GgmlType type, const MatvecArgs& a, int rows, cudaStream_t
 }
 
 // Batch-invariant mode where the tensor-core kernels do not apply (or are switched off): every
-// matrix and every slice of up to kMatvecMaxRows rows through the general kernel, whose per-row sums (each lane's units in order, then the lane group's
-// shuffle tree, matvec_kernel.cuh) do not depend on how many rows share the pass. `a` holds
-// the whole product's activations (quantised, or f32 for BF16).
+// matrix and every slice of up to kMatvecMaxRows rows through the general kernel, whose
+// per-row sums (each lane's units in order, then the lane group's shuffle tree,
+// matvec_kernel.cuh) do not depend on how many rows share the pass. `a` holds the whole
+// product's activations (quantised, or f32 for BF16).
 Status invariant_slices(const MatvecWeights& w, const MatvecArgs& a, int rows, float* y, cudaStream_t stream) {
   for (int64_t b = 0; b < w.batch; ++b) {
     for (int r0 = 0; r0 < rows; r0 += kMatvecMaxRows) {
