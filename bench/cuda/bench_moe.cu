@@ -56,7 +56,7 @@ std::vector<int32_t> route(int64_t tokens, int64_t experts, std::mt19937& rng) {
 
 KernelChoice legacy_moe() {
   KernelChoice c;
-  c.moe_decode = c.moe_mma = false;
+  c.moe_decode = c.moe_mma = c.moe_wgmma = false;
   return c;
 }
 
@@ -119,13 +119,19 @@ void decode_43_layers(GgmlType gu, GgmlType down, const Bandwidth& bw, cudaStrea
   set_kernel_choice(KernelChoice{});
 }
 
+// Variants of the batched path: the default kernels (wgmma tiles for prefill-size batches
+// where the types allow, moe_wgmma.h), the int8 tensor-core tiles alone, the dp4a tiles.
+enum class Tiles { kDefault, kInt8, kLegacy };
+
 void batched_layer(GgmlType gu, GgmlType down, int64_t tokens, const ExpertSet& set, const Bandwidth& bw,
-                   double bf16_tflops, cudaStream_t stream, bool legacy = false) {
+                   double bf16_tflops, cudaStream_t stream, Tiles tiles = Tiles::kDefault) {
   const std::string name = "batched layer 256 experts, " + std::to_string(tokens) + " tokens " +
                            std::string(ggml_type_name(gu)) + "/" + std::string(ggml_type_name(down)) +
-                           (legacy ? " legacy" : "");
+                           (tiles == Tiles::kLegacy ? " legacy" : tiles == Tiles::kInt8 ? " int8 tiles" : "");
   if (!selected(name)) return;
-  set_kernel_choice(legacy ? legacy_moe() : KernelChoice{});
+  KernelChoice choice = tiles == Tiles::kLegacy ? legacy_moe() : KernelChoice{};
+  if (tiles == Tiles::kInt8) choice.moe_wgmma = false;
+  set_kernel_choice(choice);
   std::mt19937 rng(11);
   const auto r = route(tokens, set.experts, rng);
   std::vector<float> w(r.size(), 0.25f);
@@ -209,9 +215,12 @@ int main() {
   report("moe", "cuBLASLt BF16 m=4096 4096->2048", bf16, "TFLOP/s", 1.0, "the prefill tiles' reference rate");
   {
     const ExpertSet set(GgmlType::Q2_K, GgmlType::Q3_K, 256);
-    for (int64_t tokens : {16, 64, 128, 512, 2048, 8192})
+    for (int64_t tokens : {16, 64, 128, 512, 2048, 4096, 8192})
       batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream);
-    for (int64_t tokens : {16, 128, 512}) batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, true);
+    for (int64_t tokens : {2048, 4096, 8192})
+      batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, Tiles::kInt8);
+    for (int64_t tokens : {16, 128, 512})
+      batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, Tiles::kLegacy);
   }
   {
     const ExpertSet set(GgmlType::MXFP4, GgmlType::MXFP4, 256);

@@ -4,10 +4,13 @@
 #include "backend/cuda/moe_experts.h"
 
 #include "backend/cuda/matvec.h"
+#include "backend/cuda/moe_wgmma.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <thread>
 #include <utility>
 
 #include "cuda_test_util.h"
@@ -27,6 +30,18 @@ struct TypePair {
 class MoeTest : public ::testing::TestWithParam<TypePair> {};
 
 double silu(double v) { return v / (1.0 + std::exp(-v)); }
+
+// f(i) for i in [0, n) on every hardware thread (the references of the larger cases).
+template <class F>
+void parallel_for(int64_t n, F&& f) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(n, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int64_t w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      for (int64_t i = w; i < n; i += workers) f(i);
+    });
+  for (auto& t : pool) t.join();
+}
 
 TEST_P(MoeTest, MatchesCpuReference) {
   const auto [gu_type, down_type] = GetParam();
@@ -54,19 +69,26 @@ TEST_P(MoeTest, MatchesCpuReference) {
   // 16 and 17 tokens on either side of the switch, 40 and 96 tokens give 240 and 576 pairs
   // over 8 experts) and the earlier ones (KernelChoice off).
   // Batch-invariant mode: the decode path in slices of 16 tokens (17 and 40 tokens).
+  // 96 tokens (72 pairs per expert) take the wgmma tiles where both types allow
+  // (moe_wgmma.h), and the int8 tiles with moe_wgmma off.
   struct Run {
     int64_t tokens;
     bool legacy;
     bool invariant = false;
+    bool wgmma = true;
   };
   for (const Run run : {Run{1, false}, Run{2, false}, Run{5, false}, Run{16, false}, Run{17, false}, Run{40, false},
-                        Run{96, false}, Run{1, true}, Run{2, true}, Run{5, true}, Run{40, true}, Run{17, false, true},
-                        Run{40, false, true}}) {
+                        Run{96, false}, Run{96, false, false, false}, Run{1, true}, Run{2, true}, Run{5, true},
+                        Run{40, true}, Run{17, false, true}, Run{40, false, true}}) {
     const int64_t tokens = run.tokens;
     SCOPED_TRACE("tokens " + std::to_string(tokens) +
-                 (run.legacy ? ", legacy kernels" : run.invariant ? ", batch-invariant" : ", default kernels"));
-    KernelChoice choice = run.legacy ? KernelChoice{false, false, false, false, false} : KernelChoice{};
+                 (run.legacy      ? ", legacy kernels"
+                  : run.invariant ? ", batch-invariant"
+                  : run.wgmma     ? ", default kernels"
+                                  : ", default kernels without wgmma"));
+    KernelChoice choice = run.legacy ? KernelChoice{false, false, false, false, false, false} : KernelChoice{};
     choice.batch_invariant = run.invariant;
+    choice.moe_wgmma = run.wgmma && !run.legacy;
     set_kernel_choice(choice);
     std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(tokens * hidden), rng);
     double rms = 0.0;
@@ -183,6 +205,114 @@ TEST(MoeDecode, FlashShapes) {
     ASSERT_OK(moe_experts(w, d_x.get<float>(), routing, kLimit, d_y.get<float>(), ws.get(), ws.bytes(), nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
     EXPECT_LT(relative_error(d_y.to_host<float>(want.size()), want), kBound);
+  }
+}
+
+// The wgmma tiles (moe_wgmma.h) on their own: 16 experts with skewed routing, so that tiles
+// hold from a few to 128 pairs (the 64- and 128-column products, experts split over several
+// tiles), against the double-precision reference; the same bits on a second run. BF16
+// roundings of x, the decoded weights and h (2^-9 relative each) bound the error well below
+// the int8 paths' kBound.
+TEST(MoeWgmma, MatchesCpuReference) {
+  std::mt19937_64 rng(dsv4::test::test_seed() + 11);
+  SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
+  constexpr double kWgmmaBound = 1e-2;
+  const int64_t experts = 16, hidden = 1024, ffn = 512;
+  const int top_k = 6;
+  set_kernel_choice(KernelChoice{});
+  for (const TypePair types : {TypePair{GgmlType::Q2_K, GgmlType::Q3_K}, TypePair{GgmlType::Q8_0, GgmlType::Q8_0},
+                               TypePair{GgmlType::Q3_K, GgmlType::Q2_K}}) {
+    SCOPED_TRACE(type_name(types.gate_up) + "/" + type_name(types.down));
+    const auto gate = random_weights(types.gate_up, experts * ffn, hidden, rng);
+    const auto up = random_weights(types.gate_up, experts * ffn, hidden, rng);
+    const auto down = random_weights(types.down, experts * hidden, ffn, rng);
+    const auto gate_f = dequantize(types.gate_up, gate.data(), experts * ffn, hidden);
+    const auto up_f = dequantize(types.gate_up, up.data(), experts * ffn, hidden);
+    const auto down_f = dequantize(types.down, down.data(), experts * hidden, ffn);
+    DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
+    const ExpertWeights w{types.gate_up, d_gate.get(), d_up.get(), types.down, d_down.get(), experts, hidden, ffn};
+    for (const int64_t tokens : {90, 200}) {
+      SCOPED_TRACE("tokens " + std::to_string(tokens));
+      ASSERT_TRUE(detail::moe_wgmma_applies(w, tokens * top_k));
+      // Expert e drawn with weight (e + 1)^2 (without repeats within a token): counts from a
+      // few pairs to several tiles.
+      std::vector<double> pick(experts);
+      for (int64_t e = 0; e < experts; ++e) pick[e] = static_cast<double>((e + 1) * (e + 1));
+      std::vector<int32_t> ids(static_cast<size_t>(tokens * top_k));
+      std::vector<float> weights(ids.size());
+      std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::vector<double> left = pick;
+        for (int s = 0; s < top_k; ++s) {
+          std::discrete_distribution<int> draw(left.begin(), left.end());
+          const int e = draw(rng);
+          left[e] = 0.0;
+          ids[t * top_k + s] = e;
+          weights[t * top_k + s] = uni(rng) / top_k;
+        }
+      }
+      std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(tokens * hidden), rng);
+      // Scaled so that gate and up products reach past the clamp (about 8 rms).
+      double rms = 0.0;
+      for (int64_t i = 0; i < 32; ++i) {
+        double p = 0.0;
+        for (int64_t j = 0; j < hidden; ++j) p += static_cast<double>(gate_f[i * hidden + j]) * x[j];
+        rms += p * p;
+      }
+      const float scale = static_cast<float>(8.0 / std::sqrt(rms / 32));
+      for (auto& v : x) v *= scale;
+
+      std::vector<double> want(static_cast<size_t>(tokens * hidden), 0.0);
+      std::vector<int> clamped(static_cast<size_t>(tokens), 0);
+      parallel_for(tokens, [&](int64_t t) {
+        std::vector<float> h(static_cast<size_t>(ffn));
+        for (int s = 0; s < top_k; ++s) {
+          const int64_t e = ids[t * top_k + s];
+          for (int64_t i = 0; i < ffn; ++i) {
+            double g = 0.0, u = 0.0;
+            const float* gr = &gate_f[(e * ffn + i) * hidden];
+            const float* ur = &up_f[(e * ffn + i) * hidden];
+            for (int64_t j = 0; j < hidden; ++j) {
+              g += static_cast<double>(gr[j]) * x[t * hidden + j];
+              u += static_cast<double>(ur[j]) * x[t * hidden + j];
+            }
+            clamped[t] += (g > kLimit) + (std::fabs(u) > kLimit);
+            h[i] = static_cast<float>(weights[t * top_k + s] * silu(std::min<double>(g, kLimit)) *
+                                      std::clamp<double>(u, -kLimit, kLimit));
+          }
+          for (int64_t i = 0; i < hidden; ++i) {
+            double acc = 0.0;
+            const float* dr = &down_f[(e * hidden + i) * ffn];
+            for (int64_t j = 0; j < ffn; ++j) acc += static_cast<double>(dr[j]) * h[j];
+            want[t * hidden + i] += acc;
+          }
+        }
+      });
+      EXPECT_GT(std::accumulate(clamped.begin(), clamped.end(), 0), 0) << "the data never reaches the clamp";
+
+      DeviceBuffer d_x = DeviceBuffer::from(x), d_ids = DeviceBuffer::from(ids), d_w = DeviceBuffer::from(weights);
+      DeviceBuffer d_y(static_cast<size_t>(tokens * hidden) * sizeof(float));
+      DeviceBuffer ws(moe_experts_workspace_bytes(w, tokens, top_k));
+      const ExpertRouting routing{d_ids.get<int32_t>(), d_w.get<float>(), tokens, top_k};
+      std::vector<float> first;
+      for (int pass = 0; pass < 2; ++pass) {
+        ws.poison();
+        d_y.poison();
+        ASSERT_OK(moe_experts(w, d_x.get<float>(), routing, kLimit, d_y.get<float>(), ws.get(), ws.bytes(), nullptr));
+        ASSERT_CUDA(cudaDeviceSynchronize());
+        const auto y = d_y.to_host<float>(want.size());
+        if (pass == 0) {
+          const double err = relative_error(y, want);
+          std::printf("[ moe wgmma ] %s/%s, %lld tokens: relative L2 %.3g (bound %.0e)\n",
+                      type_name(types.gate_up).c_str(), type_name(types.down).c_str(), static_cast<long long>(tokens),
+                      err, kWgmmaBound);
+          EXPECT_LT(err, kWgmmaBound);
+          first = y;
+        } else {
+          EXPECT_EQ(0, std::memcmp(first.data(), y.data(), y.size() * sizeof(float))) << "not deterministic";
+        }
+      }
+    }
   }
 }
 

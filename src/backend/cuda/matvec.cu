@@ -157,6 +157,7 @@ KernelChoice choice_from_environment() {
     if (all || name == "mma") c.matvec_mma = false;
     if (all || name == "moe_decode") c.moe_decode = false;
     if (all || name == "moe_mma") c.moe_mma = false;
+    if (all || name == "moe_wgmma") c.moe_wgmma = false;
   }
   return c;
 }

@@ -52,6 +52,7 @@ struct KernelChoice {
   bool matvec_mma = true;        // "mma": 2-64 rows on the int8 tensor cores (else dp4a, at most 16)
   bool moe_decode = true;        // "moe_decode": 1-2 tokens through moe_decode.cu's two fused kernels
   bool moe_mma = true;           // "moe_mma": expert tiles of more tokens on the int8 tensor cores
+  bool moe_wgmma = true;         // "moe_wgmma": prefill-size expert batches on wgmma (moe_wgmma.h)
   // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or
   // CudaBackendOptions::batch_invariant). Every product of 1-64 activation rows runs a kernel
   // whose per-row arithmetic does not depend on the rows beside it: the int8 tensor-core

@@ -8,6 +8,8 @@
 #include "backend/cuda/matvec_launch.cuh"
 #include "backend/cuda/mmq.h"
 #include "backend/cuda/mmq_launch.cuh"
+#include "backend/cuda/moe_wgmma.h"
+#include "backend/cuda/gemm_prefill.h"
 
 namespace dsv4::cuda {
 
@@ -21,7 +23,7 @@ constexpr int kTileRows = detail::kExpertTileRows;  // tokens per expert tile on
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 
 struct Layout {
-  size_t x_q = 0, h = 0, h_q = 0, partial = 0, pairs = 0, tiles = 0, total = 0;
+  size_t x_q = 0, x16 = 0, h = 0, h_q = 0, partial = 0, pairs = 0, tiles = 0, total = 0;
   int64_t max_tiles = 0;
 };
 
@@ -46,6 +48,7 @@ Layout layout(const ExpertWeights& w, int64_t tokens, int top_k) {
     return here;
   };
   l.x_q = take(activation_bytes(w.gate_up_type, tokens, w.hidden));
+  l.x16 = take(decode ? 0 : static_cast<size_t>(tokens * w.hidden) * sizeof(__nv_bfloat16));  // the wgmma path
   l.h = take(static_cast<size_t>(pairs * w.ffn) * sizeof(float));
   l.h_q = take(activation_bytes(w.down_type, pairs, w.ffn));
   l.partial = take(decode ? 0 : static_cast<size_t>(pairs * w.hidden) * sizeof(float));
@@ -261,6 +264,41 @@ Status moe_experts_mma(const ExpertWeights& w, const float* x, const ExpertRouti
   return Status::ok();
 }
 
+
+// Prefill-size batches on wgmma (moe_wgmma.h): tiles of up to 128 pairs of one expert, x and h
+// in BF16, the weights decoded inside the products.
+Status moe_experts_wgmma(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit,
+                         float* y, uint8_t* ws, const Layout& l, cudaStream_t stream) {
+  const int64_t tokens = routing.tokens, pairs = tokens * routing.top_k;
+  detail::MoeWgmmaTiles tiles;
+  tiles.max_tiles = std::min(pairs, pairs / detail::kMoeWgmmaTileTokens + w.n_experts);
+  auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
+  auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);
+  int* tile_first = tile_expert + tiles.max_tiles;
+  int* tile_count = tile_first + tiles.max_tiles;
+  int* n_tiles = tile_count + tiles.max_tiles;
+  const size_t sort_smem = static_cast<size_t>(3 * w.n_experts) * sizeof(int);
+  build_tiles_kernel<<<1, 1024, sort_smem, stream>>>(routing.ids, static_cast<int>(pairs), static_cast<int>(w.n_experts),
+                                                     detail::kMoeWgmmaTileTokens, sorted_pairs, tile_expert,
+                                                     tile_first, tile_count, n_tiles);
+  DSV4_CUDA_TRY_LAUNCH();
+  tiles.sorted_pairs = sorted_pairs;
+  tiles.tile_expert = tile_expert;
+  tiles.tile_first = tile_first;
+  tiles.tile_count = tile_count;
+  tiles.n_tiles = n_tiles;
+  auto* x16 = reinterpret_cast<__nv_bfloat16*>(ws + l.x16);
+  auto* h16 = reinterpret_cast<__nv_bfloat16*>(ws + l.h);  // pairs x ffn BF16 in the f32 h's room
+  auto* partial = reinterpret_cast<float*>(ws + l.partial);
+  DSV4_TRY(convert_f32_to_bf16(x, tokens * w.hidden, x16, stream));
+  DSV4_TRY(detail::moe_wgmma_gate_up(w, x16, routing.weights, routing.top_k, swiglu_limit, tiles, h16, stream));
+  DSV4_TRY(detail::moe_wgmma_down(w, h16, tiles, partial, stream));
+  const int64_t n = tokens * w.hidden;
+  sum_slots_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(partial, tokens, routing.top_k, w.hidden, y);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
 }  // namespace
 
 size_t moe_experts_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k) {
@@ -306,6 +344,8 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   if (decode && choice.moe_decode && detail::moe_decode_applies(w, tokens, routing.top_k) &&
       reinterpret_cast<uintptr_t>(x) % 16 == 0)
     return detail::moe_decode(w, x, routing, swiglu_limit, y, workspace, workspace_bytes, stream);
+  if (!decode && choice.moe_wgmma && detail::moe_wgmma_applies(w, pairs))
+    return moe_experts_wgmma(w, x, routing, swiglu_limit, y, ws, l, stream);
   if (!decode && choice.moe_mma && mma_tiles_apply(w))
     return moe_experts_mma(w, x, routing, swiglu_limit, y, ws, l, stream);
   auto* h = reinterpret_cast<float*>(ws + l.h);

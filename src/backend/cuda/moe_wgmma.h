@@ -1,0 +1,53 @@
+// Routed experts for prefill-size batches on Hopper's warpgroup tensor cores (wgmma, BF16):
+// the expert-sorted tiles of moe_experts.cu, up to 128 pairs of one expert per tile, each
+// block multiplying 128 weight rows of that expert (gate/up: 64 gate rows and the same 64 up
+// rows; down: 128 rows) by the tile's activation rows. The weights are decoded from their
+// GGUF blocks straight into the wgmma A fragments in registers (no dequantised copy in
+// memory), the activations are BF16 rows gathered into shared memory by cp.async, the
+// products accumulate in f32. Gate/up fuse the clamped SwiGLU and the routing weight and
+// write h in BF16, the down product's operand; down writes one partial row per pair, which
+// moe_experts.cu sums over a token's slots in a fixed order. Design and error bound:
+// docs/CUDA.md, "Routed experts on wgmma".
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/moe_experts.h"
+#include "util/status.h"
+
+namespace dsv4::cuda::detail {
+
+inline constexpr int kMoeWgmmaTileTokens = 128;  // pairs per expert tile
+
+// Q2_K, Q3_K, Q8_0.
+bool moe_wgmma_supported(GgmlType type);
+
+// Both types supported, hidden and ffn multiples of 256 (one K-quant super-block per stage;
+// the row tiles of 64 and 128 then divide them), and at least 32 pairs per expert on average
+// (below that most of a 64- or 128-column tile would be padding: the int8 tiles of
+// mmq_kernel.cuh take those batches).
+bool moe_wgmma_applies(const ExpertWeights& w, int64_t pairs);
+
+// The expert tiles (moe_experts.cu's build_tiles_kernel with tile_rows = kMoeWgmmaTileTokens).
+struct MoeWgmmaTiles {
+  const int* sorted_pairs = nullptr;
+  const int* tile_expert = nullptr;
+  const int* tile_first = nullptr;
+  const int* tile_count = nullptr;
+  const int* n_tiles = nullptr;  // device count; the grid covers max_tiles
+  int64_t max_tiles = 0;
+};
+
+// h[pair][i] = w_pair * silu(min(gate_i . x, L)) * clamp(up_i . x, -L, L), in BF16, for the
+// pairs of every tile; x: [tokens][hidden] BF16, pair p reads row p / top_k.
+Status moe_wgmma_gate_up(const ExpertWeights& w, const __nv_bfloat16* x, const float* pair_weight, int top_k,
+                         float limit, const MoeWgmmaTiles& tiles, __nv_bfloat16* h, cudaStream_t stream);
+
+// partial[pair][i] = down_i . h[pair], f32.
+Status moe_wgmma_down(const ExpertWeights& w, const __nv_bfloat16* h, const MoeWgmmaTiles& tiles, float* partial,
+                      cudaStream_t stream);
+
+}  // namespace dsv4::cuda::detail
