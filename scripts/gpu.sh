@@ -35,6 +35,8 @@
 #   profile    ncu's per-kernel GPU time of decode steps (no graphs; 1 and 16 sequences) and a
 #              prefill chunk on a 4-layer cut of the geometry (DSV4_GPU_PROFILE_LAYERS; 4 holds
 #              a window, a CSA and an HCA layer): profile.txt, the kernels by total time
+#              (DSV4_GPU_PROFILE_PARTS: "decode prefill batch" by default; "moe" adds ncu's
+#              sections for the wgmma expert kernels of one 4096-token layer)
 #   upstream   issue 12's check 3: llama.cpp's own converter (convert_hf_to_gguf.py, torch) turns
 #              a synthetic official checkpoint into a trunk and an MTP sidecar, and dsv4 and
 #              llama.cpp's logits on it are compared (tests/llamacpp/upstream_convert.sh; needs
@@ -451,16 +453,17 @@ if has profile && command -v ncu >/dev/null; then
   : >"$work/profile.txt"
   step synth_profile 60 "$bin/dsv4" synth --preset flash --layers "$prof_layers" --no-mtp --recipe q2k \
     --fill random-blocks --seed 1 --force -o "$prof"
+  parts=" ${DSV4_GPU_PROFILE_PARTS:-decode prefill batch} "
   # 1 warm-up + 4 timed steps without graphs: each kernel of a step shows up 5 times.
-  step profile 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+  [[ $parts == *" decode "* ]] && step profile 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts decode --depths 4096 \
     --steps 4 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
   # Prefill: one untimed and one timed chunk of 4096 tokens.
-  step profile_prefill 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+  [[ $parts == *" prefill "* ]] && step profile_prefill 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu_prefill.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts prefill \
     --prefill 4096 --chunk 4096 --prefill-repeats 1 --label "profile$prof_layers"
   # Batched decode: 16 sequences, 1 warm-up + 2 timed steps.
-  step profile_batch 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+  [[ $parts == *" batch "* ]] && step profile_batch 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu_batch.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts aggregate \
     --batches 16 --batch-depth 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
   for what in decode prefill batch; do
@@ -485,6 +488,15 @@ for k, t in total.most_common(40):
 print(f"{sum(total.values()):10.1f} {sum(count.values()):8d}            all")
 PY
   done
+  # The wgmma expert kernels of one 4096-token layer (cuda_bench_moe): where their time goes
+  # (throughput of the SMs, L2 and L1 against peak; warp stall reasons).
+  if [[ $parts == *" moe "* ]] && [ -x "$bin/cuda_bench_moe" ]; then
+    step profile_moe 150 env DSV4_BENCH_ONLY='batched layer 256 experts, 4096 tokens q2_K/q3_K$' \
+      ncu --clock-control none -k regex:moe_wgmma --launch-count 2 --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section Occupancy --log-file "$work/ncu_moe.txt" "$bin/cuda_bench_moe"
+    [ -f "$work/ncu_moe.txt" ] && cat "$work/ncu_moe.txt" >>"$work/profile.txt"
+  fi
   head -25 "$work/profile.txt"
   rm -f "$prof"
   refresh_out

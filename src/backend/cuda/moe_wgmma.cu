@@ -1,16 +1,20 @@
 // Routed experts on wgmma with the weights decoded into the A fragments (moe_wgmma.h).
 //
-// Block: 256 threads = two warpgroups, one expert tile (<= 128 pairs) x 128 weight rows.
-// Warpgroup g owns block rows 64g..64g+63 (gate/up: g = 0 the gate rows, g = 1 the same rows
-// of up; down: 128 consecutive rows) and every column (pair) of the tile: one
+// Block: G warpgroups (4 for the K-quants, 2 for Q8_0, whose raw rows take twice the shared
+// memory), one expert tile (<= 128 pairs) x 64G weight rows. Warpgroup g owns block rows
+// 64g..64g+63 (gate/up: the first G/2 warpgroups gate rows, the others the same rows of up;
+// down: 64G consecutive rows) and every column (pair) of the tile: one
 // wgmma.m64n128k16 (m64n64k16 when the tile holds <= 64 pairs) per 16 of k, A from registers,
 // B from shared memory, 64 f32 accumulators per thread.
 //
 // k streams through two shared-memory stages of 256 (one K-quant super-block, eight Q8_0
-// blocks): each holds the raw block bytes of the 128 rows (16-byte cp.async copies of each
+// blocks): each holds the raw block bytes of the 64G rows (16-byte cp.async copies of each
 // row's span, whatever its alignment, as mmq_kernel.cuh does) and the tile's activation rows,
-// 128 x 256 BF16 as four 64-wide tiles in the 128-byte swizzle the K-major B descriptor names.
-// The copies of stage s + 1 run while stage s multiplies.
+// 128 x 256 BF16 as four 64-wide tiles in the 128-byte swizzle the K-major B descriptor names,
+// read by all G warpgroups (so 4 warpgroups halve the activation traffic per product, and
+// give each scheduler 4 warps to hide the decode's latency: with 2, ncu measured 42-51% of
+// the issue slots busy, 4.4 cycles per issued instruction). The copies of stage s + 1 run
+// while stage s multiplies.
 //
 // A fragment of m64nNk16 (per warp: 16 rows, lane = 4 * g + t): a0 = row g, k 2t..2t+1;
 // a1 = row g + 8, same k; a2 = row g, k 2t+8..2t+9; a3 = row g + 8, same k: each lane decodes
@@ -33,11 +37,9 @@
 namespace dsv4::cuda::detail {
 namespace {
 
-constexpr int kThreads = 256;
 constexpr int kStageK = 256;
 constexpr int kSteps = kStageK / 16;
 constexpr int kTokens = kMoeWgmmaTileTokens;
-constexpr int kRows = 128;                   // weight rows per block
 constexpr int kBSubBytes = kTokens * 128;    // 128 rows x 64 BF16, one swizzled k-tile
 constexpr int kBBytes = 4 * kBSubBytes;      // the stage's 256 of k
 
@@ -46,9 +48,13 @@ enum class WgMode { kGateUp, kDown };
 template <GgmlType T>
 struct WgStage {
   using C = MmqType<T>;
+  static constexpr int kGroups = T == GgmlType::Q8_0 ? 2 : 4;  // warpgroups per block
+  static constexpr int kThreads = 128 * kGroups;
+  static constexpr int kRows = 64 * kGroups;  // weight rows per block (gate/up: half of each)
   static constexpr int kW = kRows * C::kSlotBytes;
   static constexpr int kBytes = kBBytes + ((kW + 1023) & ~1023);  // B first: 1024-byte aligned
   static constexpr int kSmem = 2 * kBytes + 1024;                 // + slack to align the base
+  static_assert(kThreads == 2 * kRows, "two copying threads per block row");
 };
 
 struct WgArgs {
@@ -205,16 +211,16 @@ struct WgDecode<GgmlType::Q8_0> {
 
 // ---- the kernel ---------------------------------------------------------------------------
 
-// Block row r's source row (gate/up: rows 0..63 of gate, then the same rows of up).
-template <WgMode M>
+// Block row r's source row (gate/up: rows 0..R/2-1 of the tile in gate, then the same rows of up).
+template <WgMode M, int R>
 __device__ __forceinline__ const uint8_t* row_source(const WgArgs& a, int64_t expert, int64_t tile, int r) {
   const uint8_t* base = a.w[0];
   int64_t row;
   if constexpr (M == WgMode::kGateUp) {
-    row = tile * 64 + (r & 63);
-    if (r >= 64) base = a.w[1];
+    row = tile * (R / 2) + r % (R / 2);
+    if (r >= R / 2) base = a.w[1];
   } else {
-    row = tile * kRows + r;
+    row = tile * R + r;
   }
   return base + expert * a.matrix_stride + row * a.row_bytes;
 }
@@ -225,6 +231,7 @@ template <GgmlType T>
 __device__ __forceinline__ void issue_stage(const WgArgs& a, const uint8_t* copy_row, const int* col_act, int live,
                                             int stage, uint8_t* buf) {
   using C = MmqType<T>;
+  constexpr int kThreads = WgStage<T>::kThreads;
   {
     const int r = threadIdx.x >> 1, h = threadIdx.x & 1;
     const uint8_t* src = copy_row + static_cast<int64_t>(stage) * C::kStageBytes;
@@ -285,9 +292,10 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* row0, const uint8_
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 template <GgmlType T, WgMode M>
-__global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) {
+__global__ void __launch_bounds__(WgStage<T>::kThreads, 1) moe_wgmma_kernel(const WgArgs a) {
   using C = MmqType<T>;
   using S = WgStage<T>;
+  constexpr int kRows = S::kRows, kGroups = S::kGroups;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u);
   __shared__ int col_act[kTokens], col_out[kTokens];
@@ -317,15 +325,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) 
   const bool wide = live > 64;
   const int stages = static_cast<int>(a.k / kStageK);
 
-  const uint8_t* copy_row = row_source<M>(a, expert, tile, static_cast<int>(threadIdx.x >> 1));
+  const uint8_t* copy_row = row_source<M, kRows>(a, expert, tile, static_cast<int>(threadIdx.x >> 1));
   issue_stage<T>(a, copy_row, col_act, live, 0, smem);
   cp_async_commit();
 
   const int group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
   const int r0 = 64 * group + 16 * warp + g;  // block rows of this lane's A fragments: r0, r0 + 8
-  const uint8_t* src0 = row_source<M>(a, expert, tile, r0);
-  const uint8_t* src1 = row_source<M>(a, expert, tile, r0 + 8);
+  const uint8_t* src0 = row_source<M, kRows>(a, expert, tile, r0);
+  const uint8_t* src1 = row_source<M, kRows>(a, expert, tile, r0 + 8);
 
   float acc[64];
 #pragma unroll
@@ -354,15 +362,18 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) 
   // Accumulator register 4j + 2h + e: row 16 warp + g + 8h of the warpgroup, column 8j + 2t + e.
   const int regs = wide ? 64 : 32;
   if constexpr (M == WgMode::kGateUp) {
-    float* up = reinterpret_cast<float*>(smem);  // [reg][128 threads]
+    // The up warpgroups (kGroups / 2 ..) hand their accumulators to the gate warpgroups
+    // holding the same rows.
+    constexpr int kHalf = kGroups / 2;
+    float* up = reinterpret_cast<float*>(smem) + (group % kHalf) * 64 * 128;  // [reg][128 threads]
     const int tid = threadIdx.x % 128;
-    if (group == 1) {
+    if (group >= kHalf) {
 #pragma unroll
       for (int i = 0; i < 64; ++i)
         if (i < regs) up[i * 128 + tid] = acc[i];
     }
     __syncthreads();
-    if (group == 1) return;
+    if (group >= kHalf) return;
     auto* h = static_cast<__nv_bfloat16*>(a.out);
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
@@ -372,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) 
       if (out < 0) continue;
       const float gate = fminf(acc[i], a.limit);
       const float u = fminf(fmaxf(up[i * 128 + tid], -a.limit), a.limit);
-      const int64_t row = tile * 64 + 16 * warp + g + 8 * ((i >> 1) & 1);
+      const int64_t row = tile * (kRows / 2) + 64 * group + 16 * warp + g + 8 * ((i >> 1) & 1);
       h[static_cast<int64_t>(out) * a.n + row] = __float2bfloat16_rn(col_weight[col] * silu(gate) * u);
     }
   } else {
@@ -390,7 +401,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) 
 }
 
 template <GgmlType T, WgMode M>
-Status launch(const WgArgs& a, int64_t row_tiles, cudaStream_t stream) {
+Status launch(const WgArgs& a, cudaStream_t stream) {
+  // Row tiles: gate/up R/2 rows of each matrix, down R rows.
+  const int64_t row_tiles = M == WgMode::kGateUp ? a.n / (WgStage<T>::kRows / 2) : a.n / WgStage<T>::kRows;
   auto kernel = &moe_wgmma_kernel<T, M>;
   static std::once_flag once;
   static cudaError_t attribute = cudaSuccess;
@@ -403,7 +416,7 @@ Status launch(const WgArgs& a, int64_t row_tiles, cudaStream_t stream) {
     return Status::error("moe_wgmma: " + std::to_string(a.tiles.max_tiles) + " expert tiles, limit 65535");
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(a.tiles.max_tiles));
-  config.blockDim = dim3(kThreads);
+  config.blockDim = dim3(WgStage<T>::kThreads);
   config.dynamicSmemBytes = WgStage<T>::kSmem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -416,11 +429,11 @@ Status launch(const WgArgs& a, int64_t row_tiles, cudaStream_t stream) {
 }
 
 template <WgMode M>
-Status dispatch(GgmlType type, const WgArgs& a, int64_t row_tiles, cudaStream_t stream) {
+Status dispatch(GgmlType type, const WgArgs& a, cudaStream_t stream) {
   switch (type) {
-    case GgmlType::Q2_K: return launch<GgmlType::Q2_K, M>(a, row_tiles, stream);
-    case GgmlType::Q3_K: return launch<GgmlType::Q3_K, M>(a, row_tiles, stream);
-    case GgmlType::Q8_0: return launch<GgmlType::Q8_0, M>(a, row_tiles, stream);
+    case GgmlType::Q2_K: return launch<GgmlType::Q2_K, M>(a, stream);
+    case GgmlType::Q3_K: return launch<GgmlType::Q3_K, M>(a, stream);
+    case GgmlType::Q8_0: return launch<GgmlType::Q8_0, M>(a, stream);
     default: return Status::error("moe_wgmma: weight type " + std::string(ggml_type_name(type)) + " not supported");
   }
 }
@@ -456,7 +469,7 @@ Status moe_wgmma_gate_up(const ExpertWeights& w, const __nv_bfloat16* x, const f
   a.pair_weight = pair_weight;
   a.limit = limit;
   a.out = h;
-  return dispatch<WgMode::kGateUp>(w.gate_up_type, a, w.ffn / 64, stream);
+  return dispatch<WgMode::kGateUp>(w.gate_up_type, a, stream);
 }
 
 Status moe_wgmma_down(const ExpertWeights& w, const __nv_bfloat16* h, const MoeWgmmaTiles& tiles, float* partial,
@@ -470,7 +483,7 @@ Status moe_wgmma_down(const ExpertWeights& w, const __nv_bfloat16* h, const MoeW
   a.act = h;
   a.tiles = tiles;
   a.out = partial;
-  return dispatch<WgMode::kDown>(w.down_type, a, w.hidden / kRows, stream);
+  return dispatch<WgMode::kDown>(w.down_type, a, stream);
 }
 
 }  // namespace dsv4::cuda::detail

@@ -1,7 +1,7 @@
 // Routed experts for prefill-size batches on Hopper's warpgroup tensor cores (wgmma, BF16):
 // the expert-sorted tiles of moe_experts.cu, up to 128 pairs of one expert per tile, each
-// block multiplying 128 weight rows of that expert (gate/up: 64 gate rows and the same 64 up
-// rows; down: 128 rows) by the tile's activation rows. The weights are decoded from their
+// block multiplying 256 weight rows of that expert (Q8_0: 128; gate/up: half gate rows and
+// the same rows of up) by the tile's activation rows. The weights are decoded from their
 // GGUF blocks straight into the wgmma A fragments in registers (no dequantised copy in
 // memory), the activations are BF16 rows gathered into shared memory by cp.async, the
 // products accumulate in f32. Gate/up fuse the clamped SwiGLU and the routing weight and
