@@ -289,8 +289,12 @@ class Backend {
   // Attention with a sink (spec §3.1) for every row of a step over the keys described by
   // `keys` (see AttentionKeys). q F32 [n, H*d]; sink F32 [H]; out F32 [n, H*d]. Per row and
   // head one joint softmax over the window keys then the compressed keys, in that order.
+  // mode: Quantized (the production numerics) lets a backend compute as the reference's
+  // attention kernel does, bf16 operands with fp32 logits, softmax and accumulation (CUDA:
+  // tensor cores, docs/CUDA.md "Precision"); every other mode computes in fp32. The CPU
+  // computes in fp32 in every mode.
   virtual Status attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
-                           const Tensor& sink, float scale, const Tensor& out) = 0;
+                           const Tensor& sink, float scale, const Tensor& out, MatmulMode mode) = 0;
   // Window ring update after attention: each sequence's last min(rows, window) rows of
   // `kv` (F32 [n, d]) are written to its ring (ring.ring_row; rows_per_slot >= window).
   virtual Status store_window(const Tensor& kv, const StepRows& rows, int64_t window,
@@ -318,9 +322,10 @@ class Backend {
   // Lightning-indexer scores (spec §3.6): for row r with visible(r) = (position + 1) / ratio
   // entries, scores[r, b] = sum_h w[r,h] relu(q[r,h] . keys_b) for first_row <= b <
   // visible(r) (keys of the row's sequence), -inf for the other b < scores.cols.
-  // q F32 [n, H*dk], w F32 [n, H], keys width dk, scores F32 [n, >= max visible].
+  // q F32 [n, H*dk], w F32 [n, H], keys width dk, scores F32 [n, >= max visible]. mode as
+  // for attention (Quantized: bf16 q and keys, fp32 accumulation, on a backend that has it).
   virtual Status indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys,
-                                int ratio, const StepRows& rows, const Tensor& scores) = 0;
+                                int ratio, const StepRows& rows, const Tensor& scores, MatmulMode mode) = 0;
   // Per row: the indices of the k largest finite scores among the first visible(r) (all of
   // them when there are at most k; equal scores keep the lower index; -inf marks an entry
   // that does not exist), ascending, then -1 padding, into idx I32 [n, k].

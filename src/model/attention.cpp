@@ -52,7 +52,7 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
     }
   }
   DSV4_ASSIGN_OR_RETURN(Tensor o, f32({n, heads * hd}));
-  DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o));
+  DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o, opt.matmul));
   DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));  // after every row has read the ring
   DSV4_TRY(be.rope(o, hd, rows.positions, layer.rope, true));   // §3.1.9 output de-rotation
 
@@ -115,7 +115,7 @@ Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& x, const Tenso
   // Scores for as many keys as the furthest row sees; each row's own count is on the device.
   const int64_t max_visible = std::max<int64_t>(rows.max_end / layer.ratio, 1);
   DSV4_ASSIGN_OR_RETURN(Tensor scores, f32({n, max_visible}));
-  DSV4_TRY(be.indexer_scores(q, weights, cache.list(layer.key_list), layer.ratio, rows, scores));
+  DSV4_TRY(be.indexer_scores(q, weights, cache.list(layer.key_list), layer.ratio, rows, scores, opt.matmul));
   return be.top_k(scores, layer.ratio, rows, static_cast<int>(c.index_topk), idx);
 }
 

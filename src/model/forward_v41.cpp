@@ -142,7 +142,7 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
     keys.selected = v41->selection.at(static_cast<size_t>(layer.selection_block));
   }
   DSV4_ASSIGN_OR_RETURN(Tensor o, f32({n, heads * hd}));
-  DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o));
+  DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o, opt.matmul));
   if (!layer.mtp) DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));  // drafts stay out
   DSV4_TRY(be.rope(o, hd, rows.positions, layer.rope, true));
 
@@ -216,7 +216,7 @@ Status ForwardPass::indexer_v41(const LayerPlan& layer, const Tensor& x, const T
 
   const int64_t max_visible = std::max<int64_t>(rows.max_end / layer.ratio, 1);
   DSV4_ASSIGN_OR_RETURN(Tensor scores, f32({n, max_visible}));
-  DSV4_TRY(be.indexer_scores(q, weights, cache.list(layer.key_list), layer.ratio, rows, scores));
+  DSV4_TRY(be.indexer_scores(q, weights, cache.list(layer.key_list), layer.ratio, rows, scores, opt.matmul));
   if (layer.candidate_source) {
     DSV4_TRY(be.candidate_blocks(scores, layer.ratio, rows, c.candidate->block_size,
                                  static_cast<int>(c.candidate->topk_blocks), v41->candidates));

@@ -163,7 +163,7 @@ TEST_F(CpuStepOps, AttentionOverRingChunkAndPagedEntries) {
         keys.selected = i32({n, k}, sel);
       }
       Tensor out = poisoned({n, heads * d});
-      const Status st = be_.attention(f32({n, heads * d}, q), keys, rows, f32({heads}, sink), scale, out);
+      const Status st = be_.attention(f32({n, heads * d}, q), keys, rows, f32({heads}, sink), scale, out, MatmulMode::Exact);
       ASSERT_TRUE(st.is_ok()) << st.message();
 
       std::vector<double> want(n * heads * d, 0.0);
@@ -335,7 +335,7 @@ TEST_F(CpuStepOps, IndexerScoresAndTopKOverPagedKeys) {
   Paged keys = paged(slots, cols, dk, page_rows);
   const auto q = randn(n * heads * dk), wts = randn(n * heads);
   Tensor scores = poisoned({n, cols});
-  ASSERT_TRUE(be_.indexer_scores(f32({n, heads * dk}, q), f32({n, heads}, wts), keys.view, ratio, rows, scores).is_ok());
+  ASSERT_TRUE(be_.indexer_scores(f32({n, heads * dk}, q), f32({n, heads}, wts), keys.view, ratio, rows, scores, MatmulMode::Exact).is_ok());
   const std::vector<float> got = read(scores);
   const std::vector<int32_t> pos = read_i32(rows.positions), rs = read_i32(rows.row_seq);
   for (int64_t r = 0; r < n; ++r) {
@@ -380,7 +380,7 @@ TEST_F(CpuStepOps, MissingPagesAndBadMetadataAreErrors) {
   // One page of 2 rows: entries 2.. (visible from position 11 on) have no page.
   keys.entries = {f32({2, d}, randn(2 * d)), i32({1, 3}, {0, -1, -1}), 2, {}};
   Tensor out = poisoned({rows.n, d});
-  const Status st = be_.attention(f32({rows.n, d}, randn(rows.n * d)), keys, rows, f32({1}, {0.5f}), 1.0f, out);
+  const Status st = be_.attention(f32({rows.n, d}, randn(rows.n * d)), keys, rows, f32({1}, {0.5f}), 1.0f, out, MatmulMode::Exact);
   ASSERT_FALSE(st.is_ok());
   EXPECT_EQ(st.code(), StatusCode::kInternal);
   EXPECT_NE(st.message().find("entry"), std::string::npos) << st.message();

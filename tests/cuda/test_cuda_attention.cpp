@@ -288,7 +288,10 @@ AttnData make_attention(const AttnCase& c, std::mt19937_64& rng) {
   return a;
 }
 
-std::vector<float> attention_on(Backend& be, const AttnCase& c, const AttnData& a) {
+// mode: Quantized runs the CUDA backend's Fast kernels (bf16 tensor cores), any other its
+// Exact ones; the CPU computes in fp32 in every mode.
+std::vector<float> attention_on(Backend& be, const AttnCase& c, const AttnData& a,
+                                MatmulMode mode = MatmulMode::Exact) {
   const On on{be};
   const int64_t n = a.st.n, hd = int64_t{c.heads} * c.d;
   AttentionKeys keys;
@@ -299,7 +302,7 @@ std::vector<float> attention_on(Backend& be, const AttnCase& c, const AttnData& 
   if (c.ratio) keys.entries = on.paged(a.entries);
   if (c.csa) keys.selected = on.i32({n, c.top}, a.selected);
   Tensor out = on.f32({n, hd}, std::vector<float>(n * hd, kNaN));
-  const Status st = be.attention(on.f32({n, hd}, a.q), keys, on.step(a.st), on.f32({c.heads}, a.sink), a.scale, out);
+  const Status st = be.attention(on.f32({n, hd}, a.q), keys, on.step(a.st), on.f32({c.heads}, a.sink), a.scale, out, mode);
   EXPECT_TRUE(st.is_ok()) << be.name() << " attention " << c.name << ": " << st.message();
   return on.read(out);
 }
@@ -579,11 +582,12 @@ IndexData make_indexer(const IndexCase& c, std::mt19937_64& rng) {
   return d;
 }
 
-std::vector<float> indexer_on(Backend& be, const IndexCase& c, const IndexData& d) {
+std::vector<float> indexer_on(Backend& be, const IndexCase& c, const IndexData& d,
+                              MatmulMode mode = MatmulMode::Exact) {
   const On on{be};
   Tensor scores = on.f32({d.st.n, d.cols}, std::vector<float>(d.st.n * d.cols, kNaN));
   const Status st = be.indexer_scores(on.f32({d.st.n, int64_t{c.heads} * c.dk}, d.q), on.f32({d.st.n, c.heads}, d.w),
-                                      on.paged(d.keys), c.ratio, on.step(d.st), scores);
+                                      on.paged(d.keys), c.ratio, on.step(d.st), scores, mode);
   EXPECT_TRUE(st.is_ok()) << be.name() << " indexer_scores " << c.name << ": " << st.message();
   return on.read(scores);
 }
@@ -806,7 +810,6 @@ class CudaBackendAttention : public ::testing::Test {
     ASSERT_TRUE(be.is_ok()) << be.status().message();
     gpu_ = std::move(be).value();
   }
-  void TearDown() override { cuda::set_attention_precision(AttentionPrecision::Exact); }
   std::unique_ptr<CudaBackend> gpu_;
   CpuBackend cpu_;
 };
@@ -821,10 +824,10 @@ TEST_F(CudaBackendAttention, AttentionMatchesCpu) {
     const AttnData a = make_attention(c, rng);
     const std::vector<float> want = attention_on(cpu_, c, a);
     for (AttentionPrecision pr : {AttentionPrecision::Exact, AttentionPrecision::Fast}) {
-      cuda::set_attention_precision(pr);
+      const MatmulMode mode = pr == AttentionPrecision::Fast ? MatmulMode::Quantized : MatmulMode::Exact;
       gpu_->begin_step();
       const bool exact = pr == AttentionPrecision::Exact || c.d == 384;
-      EXPECT_TRUE(rows_close(attention_on(*gpu_, c, a), want, int64_t{c.heads} * c.d,
+      EXPECT_TRUE(rows_close(attention_on(*gpu_, c, a, mode), want, int64_t{c.heads} * c.d,
                              exact ? kExactBound : kFastAttentionBound, "backend attention " + c.name));
     }
   }
@@ -889,9 +892,9 @@ TEST_F(CudaBackendAttention, IndexerAndTopKMatchCpu) {
     const IndexData d = make_indexer(c, rng);
     const std::vector<float> want = indexer_on(cpu_, c, d);
     for (AttentionPrecision pr : {AttentionPrecision::Exact, AttentionPrecision::Fast}) {
-      cuda::set_attention_precision(pr);
+      const MatmulMode mode = pr == AttentionPrecision::Fast ? MatmulMode::Quantized : MatmulMode::Exact;
       const bool exact = pr == AttentionPrecision::Exact;
-      EXPECT_TRUE(rows_close(indexer_on(*gpu_, c, d), want, d.cols, exact ? kExactBound : kFastIndexerBound,
+      EXPECT_TRUE(rows_close(indexer_on(*gpu_, c, d, mode), want, d.cols, exact ? kExactBound : kFastIndexerBound,
                              "backend indexer scores " + c.name));
     }
     EXPECT_TRUE(identical(top_k_on(*gpu_, d.st, want, d.cols, c.ratio, c.k),

@@ -470,7 +470,7 @@ Status CpuBackend::hc_head(const Tensor& streams, const Tensor& mixes, const Ten
 // ---- attention ----------------------------------------------------------------------------
 
 Status CpuBackend::attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
-                             const Tensor& sink, float scale, const Tensor& out) {
+                             const Tensor& sink, float scale, const Tensor& out, MatmulMode /*fp32 in every mode*/) {
   const int64_t d = keys.chunk.cols(), n = rows.n, win = keys.window;
   const int64_t n_heads = d ? q.cols() / d : 0;
   DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "attention"));
@@ -636,7 +636,7 @@ Status CpuBackend::store_entries(const Tensor& pooled, int ratio, const StepRows
 }
 
 Status CpuBackend::indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys, int ratio,
-                                  const StepRows& rows, const Tensor& scores) {
+                                  const StepRows& rows, const Tensor& scores, MatmulMode /*fp32 in every mode*/) {
   const int64_t n = rows.n, dk = keys.pool.cols(), n_heads = w.cols(), n_keys = scores.cols();
   DSV4_ASSIGN_OR_RETURN(StepView v, step_view(rows, "indexer_scores"));
   if (ratio <= 0) return Status::errorf("indexer_scores: ratio {}", ratio);

@@ -55,7 +55,7 @@ class CpuBackend final : public Backend {
                  const Tensor& x) override;
 
   Status attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
-                   const Tensor& sink, float scale, const Tensor& out) override;
+                   const Tensor& sink, float scale, const Tensor& out, MatmulMode mode) override;
   Status store_window(const Tensor& kv, const StepRows& rows, int64_t window,
                       const SlotRows& ring) override;
   Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
@@ -65,7 +65,7 @@ class CpuBackend final : public Backend {
   Status store_entries(const Tensor& pooled, int ratio, const StepRows& rows,
                        const PagedRows& dst) override;
   Status indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys, int ratio,
-                        const StepRows& rows, const Tensor& scores) override;
+                        const StepRows& rows, const Tensor& scores, MatmulMode mode) override;
   Status top_k(const Tensor& scores, int ratio, const StepRows& rows, int k,
                const Tensor& idx) override;
   Status hadamard(const Tensor& x, int64_t width) override;

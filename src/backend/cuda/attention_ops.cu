@@ -2,7 +2,6 @@
 #include "backend/cuda/attention_ops.h"
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <map>
 #include <mutex>
@@ -17,8 +16,6 @@
 namespace dsv4::cuda {
 
 namespace {
-
-std::atomic<int> g_precision{static_cast<int>(AttentionPrecision::Exact)};
 
 struct DeviceLimits {
   int device = 0;
@@ -97,8 +94,6 @@ Status check_paged(const DevicePaged& p, const char* op, int64_t width) {
 
 }  // namespace
 
-void set_attention_precision(AttentionPrecision precision) { g_precision.store(static_cast<int>(precision)); }
-AttentionPrecision attention_precision() { return static_cast<AttentionPrecision>(g_precision.load()); }
 
 Status prepare_attention_kernels() {
   DSV4_ASSIGN_OR_RETURN(const DeviceLimits lim, device_limits());

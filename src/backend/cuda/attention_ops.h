@@ -24,13 +24,11 @@
 
 namespace dsv4::cuda {
 
-// The arithmetic of attention and indexer scores (process-wide; the backend has no mode
-// argument for these operations). Exact: fp32 SIMT products, the test mode (<= 1e-5 against
+// The arithmetic of attention and indexer scores (CudaBackend: Fast in the Quantized
+// MatmulMode, Exact otherwise). Exact: fp32 SIMT products, the test mode (<= 1e-5 against
 // the CPU). Fast: BF16 tensor-core tiles (mma.sync) with fp32 accumulation and softmax, the
 // reference kernel's own rounding (q, k, p in bf16); bound in docs/CUDA.md.
 enum class AttentionPrecision : int { Exact = 0, Fast = 1 };
-void set_attention_precision(AttentionPrecision precision);
-AttentionPrecision attention_precision();
 
 // Queries the device and raises the shared-memory caps of every kernel here (what their
 // first launch would otherwise do). Call once before a graph capture may see their first

@@ -16,6 +16,12 @@ using cuda::DevicePaged;
 using cuda::DeviceRows;
 using cuda::StepMeta;
 
+// The production numerics compute attention and indexer scores as the reference's kernels do
+// (bf16 operands on the tensor cores, fp32 accumulation); every other mode in fp32.
+cuda::AttentionPrecision precision_of(MatmulMode mode) {
+  return mode == MatmulMode::Quantized ? cuda::AttentionPrecision::Fast : cuda::AttentionPrecision::Exact;
+}
+
 // An F32 (or, for `type`, I32) matrix view: rows of a rank-2 tensor, or of a contiguous one.
 Result<DeviceRows> rows_of(const Tensor& t, const char* op, const char* arg, int64_t rows, int64_t cols,
                            GgmlType type = GgmlType::F32) {
@@ -68,7 +74,7 @@ static_assert(kSeqFields == cuda::kStepSeqFields, "the step metadata layout of b
 }  // namespace
 
 Status CudaBackend::attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows, const Tensor& sink,
-                              float scale, const Tensor& out) {
+                              float scale, const Tensor& out, MatmulMode mode) {
   if (keys.draft_block)
     return Status::error("attention: the DSpark draft block runs on the CPU backend only");
   const int64_t d = keys.chunk.cols(), n = rows.n, win = keys.window;
@@ -102,7 +108,7 @@ Status CudaBackend::attention(const Tensor& q, const AttentionKeys& keys, const 
   a.out = o.data;
   a.out_ld = o.ld;
   cuda::AttentionPlan plan;
-  DSV4_TRY(cuda::plan_attention(a, m, cuda::attention_precision(), &plan));
+  DSV4_TRY(cuda::plan_attention(a, m, precision_of(mode), &plan));
   void* workspace = nullptr;
   if (plan.workspace_bytes) {
     DSV4_ASSIGN_OR_RETURN(workspace, impl_->scratch_bytes(plan.workspace_bytes));
@@ -159,7 +165,7 @@ Status CudaBackend::store_entries(const Tensor& pooled, int ratio, const StepRow
 }
 
 Status CudaBackend::indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys, int ratio,
-                                   const StepRows& rows, const Tensor& scores) {
+                                   const StepRows& rows, const Tensor& scores, MatmulMode mode) {
   const int64_t n = rows.n, dk = keys.pool.cols(), n_heads = w.cols();
   DSV4_ASSIGN_OR_RETURN(const StepMeta m, meta_of(rows, "indexer_scores"));
   if (ratio <= 0) return Status::errorf("indexer_scores: ratio {}", ratio);
@@ -175,7 +181,7 @@ Status CudaBackend::indexer_scores(const Tensor& q, const Tensor& w, const Paged
   a.heads = static_cast<int>(n_heads);
   a.dk = static_cast<int>(dk);
   a.ratio = ratio;
-  DSV4_TRY(cuda::indexer_scores(a, m, cuda::attention_precision(), impl_->stream));
+  DSV4_TRY(cuda::indexer_scores(a, m, precision_of(mode), impl_->stream));
   return cuda::mask_absent_scores(a.keys, m, a.scores, impl_->stream);
 }
 

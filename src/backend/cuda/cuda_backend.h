@@ -7,10 +7,10 @@
 //              mode, per-row relative L2 against the CPU backend <= 1e-5.
 //   Quantized  the production path: 1-16 activation rows through the integer matvec
 //              kernels (matvec.h, Q8 activations), more rows through BF16 tensor-core GEMMs
-//              (gemm_prefill.h), routed experts through moe_experts.h. Every op's bound is
-//              in docs/CUDA.md.
-// Everything else (norms, mHC, RoPE, attention, compressors, indexer, routing) computes in
-// fp32 in both modes.
+//              (gemm_prefill.h), routed experts through moe_experts.h, attention and indexer
+//              scores on bf16 tensor cores (as the reference's kernels round). Every op's
+//              bound is in docs/CUDA.md.
+// Everything else (norms, mHC, RoPE, compressors, routing) computes in fp32 in both modes.
 //
 // Files: cuda_backend.cu (memory, steps, dense and token-wise ops), cuda_attention.cu
 // (attention, window ring, compressors, entries, indexer, top-k), cuda_moe.cu (routing,
@@ -95,7 +95,7 @@ class CudaBackend final : public Backend {
 
   // cuda_attention.cu
   Status attention(const Tensor& q, const AttentionKeys& keys, const StepRows& rows,
-                   const Tensor& sink, float scale, const Tensor& out) override;
+                   const Tensor& sink, float scale, const Tensor& out, MatmulMode mode) override;
   Status store_window(const Tensor& kv, const StepRows& rows, int64_t window,
                       const SlotRows& ring) override;
   Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
@@ -105,7 +105,7 @@ class CudaBackend final : public Backend {
   Status store_entries(const Tensor& pooled, int ratio, const StepRows& rows,
                        const PagedRows& dst) override;
   Status indexer_scores(const Tensor& q, const Tensor& w, const PagedRows& keys, int ratio,
-                        const StepRows& rows, const Tensor& scores) override;
+                        const StepRows& rows, const Tensor& scores, MatmulMode mode) override;
   Status top_k(const Tensor& scores, int ratio, const StepRows& rows, int k,
                const Tensor& idx) override;
 
