@@ -215,9 +215,9 @@ int main() {
   report("moe", "cuBLASLt BF16 m=4096 4096->2048", bf16, "TFLOP/s", 1.0, "the prefill tiles' reference rate");
   {
     const ExpertSet set(GgmlType::Q2_K, GgmlType::Q3_K, 256);
-    for (int64_t tokens : {16, 64, 128, 512, 2048, 4096, 8192})
+    for (int64_t tokens : {16, 64, 128, 512, 1024, 2048, 4096, 8192})
       batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream);
-    for (int64_t tokens : {2048, 4096, 8192})
+    for (int64_t tokens : {128, 512, 1024, 2048, 4096, 8192})
       batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, Tiles::kInt8);
     for (int64_t tokens : {16, 128, 512})
       batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, Tiles::kLegacy);

@@ -69,8 +69,8 @@ TEST_P(MoeTest, MatchesCpuReference) {
   // 16 and 17 tokens on either side of the switch, 40 and 96 tokens give 240 and 576 pairs
   // over 8 experts) and the earlier ones (KernelChoice off).
   // Batch-invariant mode: the decode path in slices of 16 tokens (17 and 40 tokens).
-  // 96 tokens (72 pairs per expert) take the wgmma tiles where both types allow
-  // (moe_wgmma.h), and the int8 tiles with moe_wgmma off.
+  // From 17 tokens (12.75 pairs per expert) the wgmma tiles run where both types allow
+  // (moe_wgmma.h); 40 and 96 tokens also with moe_wgmma off, on the int8 tiles.
   struct Run {
     int64_t tokens;
     bool legacy;
@@ -78,7 +78,7 @@ TEST_P(MoeTest, MatchesCpuReference) {
     bool wgmma = true;
   };
   for (const Run run : {Run{1, false}, Run{2, false}, Run{5, false}, Run{16, false}, Run{17, false}, Run{40, false},
-                        Run{96, false}, Run{96, false, false, false}, Run{1, true}, Run{2, true}, Run{5, true},
+                        Run{96, false}, Run{40, false, false, false}, Run{96, false, false, false}, Run{1, true}, Run{2, true}, Run{5, true},
                         Run{40, true}, Run{17, false, true}, Run{40, false, true}}) {
     const int64_t tokens = run.tokens;
     SCOPED_TRACE("tokens " + std::to_string(tokens) +
@@ -231,7 +231,7 @@ TEST(MoeWgmma, MatchesCpuReference) {
     const auto down_f = dequantize(types.down, down.data(), experts * hidden, ffn);
     DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
     const ExpertWeights w{types.gate_up, d_gate.get(), d_up.get(), types.down, d_down.get(), experts, hidden, ffn};
-    for (const int64_t tokens : {90, 200}) {
+    for (const int64_t tokens : {30, 90, 200}) {  // 11, 34 and 75 pairs per expert on average
       SCOPED_TRACE("tokens " + std::to_string(tokens));
       ASSERT_TRUE(detail::moe_wgmma_applies(w, tokens * top_k));
       // Expert e drawn with weight (e + 1)^2 (without repeats within a token): counts from a

@@ -451,7 +451,7 @@ bool moe_wgmma_supported(GgmlType type) {
 
 bool moe_wgmma_applies(const ExpertWeights& w, int64_t pairs) {
   return moe_wgmma_supported(w.gate_up_type) && moe_wgmma_supported(w.down_type) && w.hidden % kStageK == 0 &&
-         w.ffn % kStageK == 0 && w.n_experts > 0 && pairs >= 32 * w.n_experts;
+         w.ffn % kStageK == 0 && w.n_experts > 0 && pairs >= kMoeWgmmaMinPairsPerExpert * w.n_experts;
 }
 
 Status moe_wgmma_gate_up(const ExpertWeights& w, const __nv_bfloat16* x, const float* pair_weight, int top_k,

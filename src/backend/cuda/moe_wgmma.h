@@ -21,14 +21,18 @@
 namespace dsv4::cuda::detail {
 
 inline constexpr int kMoeWgmmaTileTokens = 128;  // pairs per expert tile
+// A tile costs about the same whatever its pairs (the decode of the expert's weights): one
+// V4-Flash layer took 4.0 / 4.2 / 4.3 ms on wgmma at 512 / 1024 / 2048 tokens (12 / 24 / 48
+// pairs per expert) against 6.0 / 7.7 / 10.6 ms on the int8 tiles (docs/PERFORMANCE.md, ninth
+// run). Below about 8 pairs per expert the int8 tiles of 8 pairs read less.
+inline constexpr int64_t kMoeWgmmaMinPairsPerExpert = 8;
 
 // Q2_K, Q3_K, Q8_0.
 bool moe_wgmma_supported(GgmlType type);
 
 // Both types supported, hidden and ffn multiples of 256 (one K-quant super-block per stage;
-// the row tiles of 64 and 128 then divide them), and at least 32 pairs per expert on average
-// (below that most of a 64- or 128-column tile would be padding: the int8 tiles of
-// mmq_kernel.cuh take those batches).
+// the row tiles then divide them), and at least kMoeWgmmaMinPairsPerExpert pairs per expert
+// on average (fewer: the int8 tiles of mmq_kernel.cuh).
 bool moe_wgmma_applies(const ExpertWeights& w, int64_t pairs);
 
 // The expert tiles (moe_experts.cu's build_tiles_kernel with tile_rows = kMoeWgmmaTileTokens).
