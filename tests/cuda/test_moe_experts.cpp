@@ -43,6 +43,43 @@ void parallel_for(int64_t n, F&& f) {
   for (auto& t : pool) t.join();
 }
 
+// The experts in double on the dequantised weights ([experts][ffn][hidden] gate and up,
+// [experts][hidden][ffn] down), every token's top_k slots summed; returns how many gate or up
+// products passed the clamp (the data must reach it).
+int64_t reference_experts(const std::vector<float>& gate_f, const std::vector<float>& up_f,
+                          const std::vector<float>& down_f, int64_t hidden, int64_t ffn, const std::vector<float>& x,
+                          const std::vector<int32_t>& ids, const std::vector<float>& weights, int top_k,
+                          std::vector<double>& want) {
+  const int64_t tokens = static_cast<int64_t>(x.size()) / hidden;
+  want.assign(static_cast<size_t>(tokens * hidden), 0.0);
+  std::vector<int64_t> clamped(static_cast<size_t>(tokens), 0);
+  parallel_for(tokens, [&](int64_t t) {
+    std::vector<float> h(static_cast<size_t>(ffn));
+    for (int s = 0; s < top_k; ++s) {
+      const int64_t e = ids[t * top_k + s];
+      for (int64_t i = 0; i < ffn; ++i) {
+        double g = 0.0, u = 0.0;
+        const float* gr = &gate_f[(e * ffn + i) * hidden];
+        const float* ur = &up_f[(e * ffn + i) * hidden];
+        for (int64_t j = 0; j < hidden; ++j) {
+          g += static_cast<double>(gr[j]) * x[t * hidden + j];
+          u += static_cast<double>(ur[j]) * x[t * hidden + j];
+        }
+        clamped[t] += (g > kLimit) + (std::fabs(u) > kLimit);
+        h[i] = static_cast<float>(weights[t * top_k + s] * silu(std::min<double>(g, kLimit)) *
+                                  std::clamp<double>(u, -kLimit, kLimit));
+      }
+      for (int64_t i = 0; i < hidden; ++i) {
+        double acc = 0.0;
+        const float* dr = &down_f[(e * hidden + i) * ffn];
+        for (int64_t j = 0; j < ffn; ++j) acc += static_cast<double>(dr[j]) * h[j];
+        want[t * hidden + i] += acc;
+      }
+    }
+  });
+  return std::accumulate(clamped.begin(), clamped.end(), int64_t{0});
+}
+
 TEST_P(MoeTest, MatchesCpuReference) {
   const auto [gu_type, down_type] = GetParam();
   std::mt19937_64 rng(dsv4::test::test_seed());
@@ -111,23 +148,9 @@ TEST_P(MoeTest, MatchesCpuReference) {
       for (int s = 0; s < top_k; ++s) weights[t * top_k + s] *= 1.5f / sum;
     }
 
-    std::vector<double> want(static_cast<size_t>(tokens * hidden), 0.0);
-    int clamped = 0;
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int s = 0; s < top_k; ++s) {
-        const int64_t e = ids[t * top_k + s];
-        std::vector<float> h(ffn);
-        for (int64_t i = 0; i < ffn; ++i) {
-          const double g = product(gate_f, e, i, &x[t * hidden], hidden);
-          const double u = product(up_f, e, i, &x[t * hidden], hidden);
-          clamped += (g > kLimit) + (std::fabs(u) > kLimit);
-          h[i] = static_cast<float>(weights[t * top_k + s] * silu(std::min<double>(g, kLimit)) *
-                                    std::clamp<double>(u, -kLimit, kLimit));
-        }
-        for (int64_t i = 0; i < hidden; ++i) want[t * hidden + i] += product(down_f, e, i, h.data(), ffn);
-      }
-    }
-    EXPECT_GT(clamped, 0) << "the data never reaches the clamp";
+    std::vector<double> want;
+    EXPECT_GT(reference_experts(gate_f, up_f, down_f, hidden, ffn, x, ids, weights, top_k, want), 0)
+        << "the data never reaches the clamp";
 
     DeviceBuffer d_x = DeviceBuffer::from(x), d_ids = DeviceBuffer::from(ids), d_w = DeviceBuffer::from(weights);
     DeviceBuffer d_y(static_cast<size_t>(tokens * hidden) * sizeof(float));
@@ -262,33 +285,9 @@ TEST(MoeWgmma, MatchesCpuReference) {
       const float scale = static_cast<float>(8.0 / std::sqrt(rms / 32));
       for (auto& v : x) v *= scale;
 
-      std::vector<double> want(static_cast<size_t>(tokens * hidden), 0.0);
-      std::vector<int> clamped(static_cast<size_t>(tokens), 0);
-      parallel_for(tokens, [&](int64_t t) {
-        std::vector<float> h(static_cast<size_t>(ffn));
-        for (int s = 0; s < top_k; ++s) {
-          const int64_t e = ids[t * top_k + s];
-          for (int64_t i = 0; i < ffn; ++i) {
-            double g = 0.0, u = 0.0;
-            const float* gr = &gate_f[(e * ffn + i) * hidden];
-            const float* ur = &up_f[(e * ffn + i) * hidden];
-            for (int64_t j = 0; j < hidden; ++j) {
-              g += static_cast<double>(gr[j]) * x[t * hidden + j];
-              u += static_cast<double>(ur[j]) * x[t * hidden + j];
-            }
-            clamped[t] += (g > kLimit) + (std::fabs(u) > kLimit);
-            h[i] = static_cast<float>(weights[t * top_k + s] * silu(std::min<double>(g, kLimit)) *
-                                      std::clamp<double>(u, -kLimit, kLimit));
-          }
-          for (int64_t i = 0; i < hidden; ++i) {
-            double acc = 0.0;
-            const float* dr = &down_f[(e * hidden + i) * ffn];
-            for (int64_t j = 0; j < ffn; ++j) acc += static_cast<double>(dr[j]) * h[j];
-            want[t * hidden + i] += acc;
-          }
-        }
-      });
-      EXPECT_GT(std::accumulate(clamped.begin(), clamped.end(), 0), 0) << "the data never reaches the clamp";
+      std::vector<double> want;
+      EXPECT_GT(reference_experts(gate_f, up_f, down_f, hidden, ffn, x, ids, weights, top_k, want), 0)
+          << "the data never reaches the clamp";
 
       DeviceBuffer d_x = DeviceBuffer::from(x), d_ids = DeviceBuffer::from(ids), d_w = DeviceBuffer::from(weights);
       DeviceBuffer d_y(static_cast<size_t>(tokens * hidden) * sizeof(float));

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/wgmma.cuh"
 
 namespace dsv4::cuda {
 namespace {
@@ -30,22 +31,11 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// K-major operand, 128-byte swizzle: stride between 8-row groups 1024 bytes (field 64),
-// leading offset unused by this layout (1 by convention), layout type 1 in bits 62-63.
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{64} << 32) |
-         (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// Keeps the compiler from moving accumulator reads/writes across the asynchronous MMA.
-__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
+using detail::wgmma_commit;
+using detail::wgmma_fence;
+using detail::wgmma_fence_accumulators;
+using detail::wgmma_swizzle128_descriptor;
+using detail::wgmma_wait;
 
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
@@ -126,14 +116,14 @@ __global__ void __launch_bounds__(kThreads, 2)
     const uint32_t stage = smem + (kt % kStages) * kStageBytes;
     const uint32_t a_base = stage + group * 64 * 128;
     const uint32_t w_base = stage + kTileBytes;
-    fence_accumulators(acc);
+    wgmma_fence_accumulators<64>(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kWgmmaTileK / 16; ++kk)  // 16 bf16 = 32 bytes along the swizzled row
-      wgmma_m64n128k16(acc, smem_descriptor(a_base + kk * 32), smem_descriptor(w_base + kk * 32));
+      wgmma_m64n128k16(acc, wgmma_swizzle128_descriptor(a_base + kk * 32), wgmma_swizzle128_descriptor(w_base + kk * 32));
     wgmma_commit();
-    wgmma_wait_all();
-    fence_accumulators(acc);
+    wgmma_wait<0>();
+    wgmma_fence_accumulators<64>(acc);
   }
 
   // Accumulator layout of m64nNk16: warp w of the group holds rows 16w + lane/4 (+8);

@@ -110,6 +110,24 @@ __global__ void sum_slots_kernel(const float* __restrict__ partial, int64_t toke
   y[idx] = s;
 }
 
+// The pairs of `routing` sorted by expert into tiles of at most tile_rows (one block), in the
+// workspace's room for them (layout: max_tiles bounds every tile size used here).
+Status sort_into_tiles(const ExpertRouting& routing, int64_t n_experts, int tile_rows, int64_t max_tiles, uint8_t* ws,
+                       const Layout& l, cudaStream_t stream, detail::ExpertTiles* tiles) {
+  auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
+  auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);
+  int* tile_first = tile_expert + max_tiles;
+  int* tile_count = tile_first + max_tiles;
+  int* n_tiles = tile_count + max_tiles;
+  const size_t sort_smem = static_cast<size_t>(3 * n_experts) * sizeof(int);
+  build_tiles_kernel<<<1, 1024, sort_smem, stream>>>(routing.ids, static_cast<int>(routing.tokens * routing.top_k),
+                                                     static_cast<int>(n_experts), tile_rows, sorted_pairs, tile_expert,
+                                                     tile_first, tile_count, n_tiles);
+  DSV4_CUDA_TRY_LAUNCH();
+  *tiles = detail::ExpertTiles{sorted_pairs, tile_expert, tile_first, tile_count, n_tiles, max_tiles};
+  return Status::ok();
+}
+
 template <class Policy>
 Status gate_up(const MatvecArgs& a, bool decode, int64_t max_tiles, cudaStream_t stream) {
   if (decode) return detail::launch_matvec<Policy, 1, MatvecMode::kGateUp>(a, 2, max_tiles, stream);
@@ -197,16 +215,8 @@ Status moe_experts_mma(const ExpertWeights& w, const float* x, const ExpertRouti
   const int nt = tile_cols / 8;
   const int64_t max_tiles = std::min(pairs, pairs / tile_cols + w.n_experts);
   auto* h = reinterpret_cast<float*>(ws + l.h);
-  auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
-  auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);
-  int* tile_first = tile_expert + max_tiles;
-  int* tile_count = tile_first + max_tiles;
-  int* n_tiles = tile_count + max_tiles;
-  const size_t sort_smem = static_cast<size_t>(3 * w.n_experts) * sizeof(int);
-  build_tiles_kernel<<<1, 1024, sort_smem, stream>>>(routing.ids, static_cast<int>(pairs), static_cast<int>(w.n_experts),
-                                                     tile_cols, sorted_pairs, tile_expert, tile_first, tile_count,
-                                                     n_tiles);
-  DSV4_CUDA_TRY_LAUNCH();
+  detail::ExpertTiles tiles;
+  DSV4_TRY(sort_into_tiles(routing, w.n_experts, tile_cols, max_tiles, ws, l, stream, &tiles));
 
   const QuantizedActivations xq = quantized_activations_view(ws + l.x_q, tokens, w.hidden, mma_activation_layout());
   DSV4_TRY(quantize_activations_q8(x, xq, stream));
@@ -225,11 +235,11 @@ Status moe_experts_mma(const ExpertWeights& w, const float* x, const ExpertRouti
   g.q = xq.q;
   g.d = xq.d;
   g.s16 = xq.s16;
-  g.n_tiles = n_tiles;
-  g.tile_expert = tile_expert;
-  g.tile_first = tile_first;
-  g.tile_count = tile_count;
-  g.sorted_pairs = sorted_pairs;
+  g.n_tiles = tiles.n_tiles;
+  g.tile_expert = tiles.tile_expert;
+  g.tile_first = tiles.tile_first;
+  g.tile_count = tiles.tile_count;
+  g.sorted_pairs = tiles.sorted_pairs;
   g.top_k = routing.top_k;
   g.pair_weight = routing.weights;
   g.limit = swiglu_limit;
@@ -270,23 +280,9 @@ Status moe_experts_mma(const ExpertWeights& w, const float* x, const ExpertRouti
 Status moe_experts_wgmma(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit,
                          float* y, uint8_t* ws, const Layout& l, cudaStream_t stream) {
   const int64_t tokens = routing.tokens, pairs = tokens * routing.top_k;
-  detail::MoeWgmmaTiles tiles;
-  tiles.max_tiles = std::min(pairs, pairs / detail::kMoeWgmmaTileTokens + w.n_experts);
-  auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
-  auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);
-  int* tile_first = tile_expert + tiles.max_tiles;
-  int* tile_count = tile_first + tiles.max_tiles;
-  int* n_tiles = tile_count + tiles.max_tiles;
-  const size_t sort_smem = static_cast<size_t>(3 * w.n_experts) * sizeof(int);
-  build_tiles_kernel<<<1, 1024, sort_smem, stream>>>(routing.ids, static_cast<int>(pairs), static_cast<int>(w.n_experts),
-                                                     detail::kMoeWgmmaTileTokens, sorted_pairs, tile_expert,
-                                                     tile_first, tile_count, n_tiles);
-  DSV4_CUDA_TRY_LAUNCH();
-  tiles.sorted_pairs = sorted_pairs;
-  tiles.tile_expert = tile_expert;
-  tiles.tile_first = tile_first;
-  tiles.tile_count = tile_count;
-  tiles.n_tiles = n_tiles;
+  const int64_t max_tiles = std::min(pairs, pairs / detail::kMoeWgmmaTileTokens + w.n_experts);
+  detail::ExpertTiles tiles;
+  DSV4_TRY(sort_into_tiles(routing, w.n_experts, detail::kMoeWgmmaTileTokens, max_tiles, ws, l, stream, &tiles));
   auto* x16 = reinterpret_cast<__nv_bfloat16*>(ws + l.x16);
   auto* h16 = reinterpret_cast<__nv_bfloat16*>(ws + l.h);  // pairs x ffn BF16 in the f32 h's room
   auto* partial = reinterpret_cast<float*>(ws + l.partial);
@@ -349,19 +345,8 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   if (!decode && choice.moe_mma && mma_tiles_apply(w))
     return moe_experts_mma(w, x, routing, swiglu_limit, y, ws, l, stream);
   auto* h = reinterpret_cast<float*>(ws + l.h);
-  auto* sorted_pairs = reinterpret_cast<int*>(ws + l.pairs);
-  auto* tile_expert = reinterpret_cast<int*>(ws + l.tiles);
-  int* tile_first = tile_expert + l.max_tiles;
-  int* tile_count = tile_first + l.max_tiles;
-  int* n_tiles = tile_count + l.max_tiles;
-
-  if (!decode) {
-    const size_t sort_smem = static_cast<size_t>(3 * w.n_experts) * sizeof(int);
-    build_tiles_kernel<<<1, 1024, sort_smem, stream>>>(routing.ids, static_cast<int>(pairs),
-                                                       static_cast<int>(w.n_experts), kTileRows, sorted_pairs,
-                                                       tile_expert, tile_first, tile_count, n_tiles);
-    DSV4_CUDA_TRY_LAUNCH();
-  }
+  detail::ExpertTiles tiles;
+  if (!decode) DSV4_TRY(sort_into_tiles(routing, w.n_experts, kTileRows, l.max_tiles, ws, l, stream, &tiles));
 
   const auto& gu = ggml_traits(w.gate_up_type);
   MatvecArgs a;
@@ -373,11 +358,11 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
   if (decode) {
     a.n_tasks = pairs;
   } else {
-    a.n_tiles = n_tiles;
-    a.tile_expert = tile_expert;
-    a.tile_first = tile_first;
-    a.tile_count = tile_count;
-    a.sorted_pairs = sorted_pairs;
+    a.n_tiles = tiles.n_tiles;
+    a.tile_expert = tiles.tile_expert;
+    a.tile_first = tiles.tile_first;
+    a.tile_count = tiles.tile_count;
+    a.sorted_pairs = tiles.sorted_pairs;
   }
   a.expert_ids = routing.ids;
   a.pair_weight = routing.weights;

@@ -32,6 +32,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/matvec.h"
+#include "backend/cuda/wgmma.cuh"
 #include "backend/cuda/mmq_kernel.cuh"  // MmqType (raw block geometry), cp.async, ld_a2/ld_a4/ld_u16
 
 namespace dsv4::cuda::detail {
@@ -64,7 +65,7 @@ struct WgArgs {
   int64_t n = 0;              // rows per expert
   int64_t k = 0;
   const __nv_bfloat16* act = nullptr;  // [rows][k]
-  MoeWgmmaTiles tiles;
+  ExpertTiles tiles;
   int top_k = 1;
   const float* pair_weight = nullptr;
   float limit = 0.0f;
@@ -72,23 +73,6 @@ struct WgArgs {
 };
 
 // ---- wgmma with A in registers ---------------------------------------------------------
-
-// K-major operand in the 128-byte swizzle: 8-row groups 1024 bytes apart (gemm_wgmma.cu).
-__device__ __forceinline__ uint64_t b_descriptor(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{64} << 32) |
-         (uint64_t{1} << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                          std::integral_constant<int, 128>) {
@@ -270,7 +254,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* row0, const uint8_
   auto issue = [&](auto step, const uint32_t (&frag)[4]) {
     constexpr int S = decltype(step)::value;
     wgmma_fence();
-    wgmma_rs(acc, frag, b_descriptor(b_base + (S / 4) * kBSubBytes + (S % 4) * 32), width);
+    wgmma_rs(acc, frag, wgmma_swizzle128_descriptor(b_base + (S / 4) * kBSubBytes + (S % 4) * 32), width);
     wgmma_commit();
   };
   decode(std::integral_constant<int, 0>{}, a[0]);
@@ -286,7 +270,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* row0, const uint8_
         ...);
   }(std::make_integer_sequence<int, kSteps>{});
   wgmma_wait<0>();
-  fence_accumulators<NB>(acc);
+  wgmma_fence_accumulators<NB / 2>(acc);  // m64nNk16: N / 2 accumulators
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
@@ -438,10 +422,8 @@ Status dispatch(GgmlType type, const WgArgs& a, cudaStream_t stream) {
   }
 }
 
-int64_t row_bytes(GgmlType type, int64_t k) {
-  const auto& traits = ggml_traits(type);
-  return k / traits.block_elems * traits.block_bytes;
-}
+// k is a multiple of every supported type's block (moe_wgmma_applies).
+int64_t row_bytes(GgmlType type, int64_t k) { return static_cast<int64_t>(*ggml_row_bytes(type, static_cast<uint64_t>(k))); }
 
 }  // namespace
 
@@ -455,7 +437,7 @@ bool moe_wgmma_applies(const ExpertWeights& w, int64_t pairs) {
 }
 
 Status moe_wgmma_gate_up(const ExpertWeights& w, const __nv_bfloat16* x, const float* pair_weight, int top_k,
-                         float limit, const MoeWgmmaTiles& tiles, __nv_bfloat16* h, cudaStream_t stream) {
+                         float limit, const ExpertTiles& tiles, __nv_bfloat16* h, cudaStream_t stream) {
   WgArgs a;
   a.w[0] = static_cast<const uint8_t*>(w.gate);
   a.w[1] = static_cast<const uint8_t*>(w.up);
@@ -472,7 +454,7 @@ Status moe_wgmma_gate_up(const ExpertWeights& w, const __nv_bfloat16* x, const f
   return dispatch<WgMode::kGateUp>(w.gate_up_type, a, stream);
 }
 
-Status moe_wgmma_down(const ExpertWeights& w, const __nv_bfloat16* h, const MoeWgmmaTiles& tiles, float* partial,
+Status moe_wgmma_down(const ExpertWeights& w, const __nv_bfloat16* h, const ExpertTiles& tiles, float* partial,
                       cudaStream_t stream) {
   WgArgs a;
   a.w[0] = static_cast<const uint8_t*>(w.down);

@@ -35,8 +35,9 @@ bool moe_wgmma_supported(GgmlType type);
 // on average (fewer: the int8 tiles of mmq_kernel.cuh).
 bool moe_wgmma_applies(const ExpertWeights& w, int64_t pairs);
 
-// The expert tiles (moe_experts.cu's build_tiles_kernel with tile_rows = kMoeWgmmaTileTokens).
-struct MoeWgmmaTiles {
+// Expert tiles: the pairs counting-sorted by expert (moe_experts.cu's sort_into_tiles), cut
+// into tiles of at most tile_rows pairs of one expert (here kMoeWgmmaTileTokens).
+struct ExpertTiles {
   const int* sorted_pairs = nullptr;
   const int* tile_expert = nullptr;
   const int* tile_first = nullptr;
@@ -48,10 +49,10 @@ struct MoeWgmmaTiles {
 // h[pair][i] = w_pair * silu(min(gate_i . x, L)) * clamp(up_i . x, -L, L), in BF16, for the
 // pairs of every tile; x: [tokens][hidden] BF16, pair p reads row p / top_k.
 Status moe_wgmma_gate_up(const ExpertWeights& w, const __nv_bfloat16* x, const float* pair_weight, int top_k,
-                         float limit, const MoeWgmmaTiles& tiles, __nv_bfloat16* h, cudaStream_t stream);
+                         float limit, const ExpertTiles& tiles, __nv_bfloat16* h, cudaStream_t stream);
 
 // partial[pair][i] = down_i . h[pair], f32.
-Status moe_wgmma_down(const ExpertWeights& w, const __nv_bfloat16* h, const MoeWgmmaTiles& tiles, float* partial,
+Status moe_wgmma_down(const ExpertWeights& w, const __nv_bfloat16* h, const ExpertTiles& tiles, float* partial,
                       cudaStream_t stream);
 
 }  // namespace dsv4::cuda::detail
