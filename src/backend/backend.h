@@ -240,6 +240,21 @@ class Backend {
   // --- dense operations (x, y are F32 [rows, cols] unless stated) --------------------------
   // y[s, o] = sum_i w[o, i] * x[s, i].
   virtual Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) = 0;
+  // The grouped product of V4's output projection (spec §3.1.10): w [groups * n, k], x
+  // [rows, groups * k], y [rows, groups * n], and y's columns [g n, (g+1) n) = w's rows
+  // [g n, (g+1) n) times x's columns [g k, (g+1) k). The same bits as `groups` calls of matmul
+  // on those slices (this default); a backend may do them in one launch.
+  virtual Status matmul_grouped(const Tensor& w, const Tensor& x, const Tensor& y, int64_t groups,
+                                MatmulMode mode) {
+    if (groups < 1 || w.rows() % groups || x.cols() % groups || y.cols() != w.rows() ||
+        x.cols() / groups != w.cols())
+      return Status::errorf(StatusCode::kInvalidArgument, "matmul_grouped: {} groups of w {} x {} into {}", groups,
+                            w.describe(), x.describe(), y.describe());
+    const int64_t n = w.rows() / groups, k = w.cols();
+    for (int64_t g = 0; g < groups; ++g)
+      DSV4_TRY(matmul(w.slice(g * n, n), x.columns(g * k, k), y.columns(g * n, n), mode));
+    return Status::ok();
+  }
   // y[s, :] = table[ids[s], :] decoded to F32.
   virtual Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) = 0;
   // y = x / sqrt(mean(x^2) + eps) * weight, per row of `width` values (x may hold several

@@ -146,11 +146,8 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   if (!layer.mtp) DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));  // drafts stay out
   DSV4_TRY(be.rope(o, hd, rows.positions, layer.rope, true));
 
-  const int64_t groups = c.o_groups, rank = c.o_lora_rank, group_width = heads * hd / groups;
-  DSV4_ASSIGN_OR_RETURN(Tensor u, f32({n, groups * rank}));
-  for (int64_t g = 0; g < groups; ++g)
-    DSV4_TRY(be.matmul(bw.out_a.slice(g * rank, rank), o.columns(g * group_width, group_width),
-                       u.columns(g * rank, rank), v41_mode(opt.matmul)));
+  DSV4_ASSIGN_OR_RETURN(Tensor u, f32({n, static_cast<int64_t>(c.o_groups * c.o_lora_rank)}));
+  DSV4_TRY(be.matmul_grouped(bw.out_a, o, u, c.o_groups, v41_mode(opt.matmul)));
   DSV4_ASSIGN_OR_RETURN(Tensor out, f32({n, static_cast<int64_t>(c.hidden)}));
   DSV4_TRY(be.matmul(bw.out_b, u, out, v41_mode(opt.matmul)));
   return out;

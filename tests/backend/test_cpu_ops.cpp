@@ -93,6 +93,27 @@ TEST_F(CpuOps, MatmulMatchesDoubleDotOverTypes) {
   }
 }
 
+// matmul_grouped (the output projection): group g's outputs are w's rows of group g times x's
+// columns of group g, against the double dot; shapes that do not split into the groups fail.
+TEST_F(CpuOps, MatmulGroupedTakesEachGroupsColumns) {
+  const int64_t groups = 3, n = 8, k = 64, rows = 2;
+  const std::vector<float> w = randn(groups * n * k), x = randn(rows * groups * k);
+  Tensor wt = f32({groups * n, k}, w);
+  Tensor y = poisoned({rows, groups * n});
+  ASSERT_TRUE(be_.matmul_grouped(wt, f32({rows, groups * k}, x), y, groups, MatmulMode::Exact).is_ok());
+  std::vector<double> want(rows * groups * n);
+  for (int64_t s = 0; s < rows; ++s)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t o = 0; o < n; ++o)
+        for (int64_t i = 0; i < k; ++i)
+          want[s * groups * n + g * n + o] += double(w[(g * n + o) * k + i]) * x[s * groups * k + g * k + i];
+  expect_close(read(y), want, 1e-5, "matmul_grouped");
+  const Status bad = be_.matmul_grouped(wt, f32({rows, groups * k}, x), y, 2, MatmulMode::Exact);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("2 groups"), std::string::npos) << bad.message();
+}
+
 // MatmulMode::Sequential: per output an fma chain from zero over each block of 192 inputs,
 // the block sums added in order (the V4.1 reference's sgemm order), bit for bit; close to
 // the double dot. K = 400 spans three blocks, 39 outputs leave a partial group of four.

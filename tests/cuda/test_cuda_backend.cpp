@@ -11,6 +11,7 @@
 
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/mmq.h"
+#include "backend/cuda/moe_wgmma.h"
 #include "backend_test_util.h"
 #include "cuda_test_util.h"
 #include "gguf/quant.h"
@@ -309,6 +310,46 @@ TEST_F(CudaMatmul, ExactIsBatchInvariant) {
   }
 }
 
+// matmul_grouped (the output projection's wo_a): one activation row goes through one batched
+// matvec call, which must give the bits of the per-group calls it replaces (and of the
+// base class's loop for more rows), with the inputs and outputs column slices of wider rows.
+TEST_F(CudaMatmul, GroupedProductIsItsGroupsBitForBit) {
+  for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q6_K, GgmlType::MXFP4,
+                        GgmlType::BF16, GgmlType::Q4_0}) {
+    for (int64_t m : {1, 3}) {
+      const uint64_t seed = seed_for(900 + static_cast<uint64_t>(type) * 10 + m);
+      std::mt19937_64 rng(seed);
+      const int64_t groups = 4, n = 40, k = 512;
+      const std::string what = "matmul_grouped " + type_name(type) + " " + std::to_string(groups) + " x " +
+                               shape_text(n, k) + " rows " + std::to_string(m) + " seed " + std::to_string(seed);
+      const Both w = weight(type, dims({groups * n, k}), random_weights(type, groups * n, k, rng));
+      const Both x = f32({m, groups * k + 8}, normal(m * (groups * k + 8), rng)).columns(4, groups * k);
+      const Both y = f32({m, groups * n + 4}, std::vector<float>(m * (groups * n + 4), 0.0f)).columns(4, groups * n);
+      const Both ys = f32({m, groups * n}, std::vector<float>(m * groups * n, 0.0f));
+      poison(y);
+      poison(ys);
+      ASSERT_TRUE(gpu_->matmul_grouped(w.gpu, x.gpu, y.gpu, groups, MatmulMode::Quantized).is_ok()) << what;
+      for (int64_t g = 0; g < groups; ++g)
+        ASSERT_TRUE(gpu_->matmul(w.gpu.slice(g * n, n), x.gpu.columns(g * k, k), ys.gpu.columns(g * n, n),
+                                 MatmulMode::Quantized).is_ok()) << what;
+      const auto got = fetch<float>(*gpu_, y.gpu);
+      expect_identical(got, fetch<float>(*gpu_, ys.gpu), what + ": one call vs a call per group");
+      // And near the exact product (the CPU's loop over the groups).
+      ASSERT_TRUE(cpu_->matmul_grouped(w.cpu, x.cpu, y.cpu, groups, MatmulMode::Exact).is_ok());
+      expect_rows_close(got, fetch<float>(*cpu_, y.cpu), m, groups * n, kMatvecBound, what + " vs exact");
+      gpu_->begin_step();
+      cpu_->begin_step();
+    }
+  }
+  // A shape that does not divide into the groups is an error naming them.
+  std::mt19937_64 rng(seed_for(999));
+  const Both w = weight(GgmlType::Q8_0, dims({30, 64}), random_weights(GgmlType::Q8_0, 30, 64, rng));
+  const Both x = f32({1, 256}, std::vector<float>(256, 1.0f)), y = f32({1, 30}, std::vector<float>(30, 0.0f));
+  const Status bad = gpu_->matmul_grouped(w.gpu, x.gpu, y.gpu, 4, MatmulMode::Quantized);
+  EXPECT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.message().find("matmul_grouped: 4 groups"), std::string::npos) << bad.message();
+}
+
 // Rows of the Q8 paths are checked against the same arithmetic on the host, the product as a
 // whole against the exact one: per row the exact comparison is ill-conditioned where a row's
 // product cancels: with the positive minimums random_weights gave Q4_1 / Q5_1 until it
@@ -591,13 +632,30 @@ class CudaExperts : public CudaBackendOps, public ::testing::WithParamInterface<
     for (float v : gf) ss += static_cast<double>(v) * v;
     x_scale_ = static_cast<float>(8.0 / std::sqrt(ss / 4));  // |g| ~ 8 for unit activations
   }
+  // Whether moe_experts takes the wgmma tiles for n tokens of k slots (moe_experts.cu).
+  bool wgmma_path(int64_t experts, int64_t n, int k) const {
+    const ExpertCase c = GetParam();
+    const ExpertWeights w{c.gate_up, nullptr, nullptr, c.down, nullptr, experts, d_, inter_};
+    return kernel_choice().moe_wgmma && n > kMoeDecodeMaxTokens && detail::moe_wgmma_applies(w, n * k);
+  }
   // What the fused quantised kernels compute (moe_experts.h), in double from the dequantised
   // weights: Q8-rounded x into gate and up, the clamped SwiGLU times the routing weight,
   // Q8-rounded h into down, the slots summed in order (BF16 weights take f32 activations).
+  // The wgmma tiles (moe_wgmma.h) round x, the decoded weights and h to BF16 instead.
   std::vector<float> fused_reference(const std::vector<float>& x, const std::vector<int32_t>& ids,
-                                     const std::vector<float>& wt, int64_t n, int k, float limit) const {
+                                     const std::vector<float>& wt, int64_t n, int k, float limit, bool wgmma) const {
     const ExpertCase c = GetParam();
-    const std::vector<float> xq = c.gate_up == GgmlType::BF16 ? x : q8_round_trip(x);
+    const auto bf16 = [](std::vector<float> v) {
+      for (float& e : v) e = bf16_to_f32(f32_to_bf16(e));
+      return v;
+    };
+    const std::vector<float> gate_b = wgmma ? bf16(gate_f_) : std::vector<float>{};
+    const std::vector<float> up_b = wgmma ? bf16(up_f_) : std::vector<float>{};
+    const std::vector<float> down_b = wgmma ? bf16(down_f_) : std::vector<float>{};
+    const std::vector<float>& gate_f = wgmma ? gate_b : gate_f_;
+    const std::vector<float>& up_f = wgmma ? up_b : up_f_;
+    const std::vector<float>& down_f = wgmma ? down_b : down_f_;
+    const std::vector<float> xq = wgmma ? bf16(x) : c.gate_up == GgmlType::BF16 ? x : q8_round_trip(x);
     std::vector<float> y(static_cast<size_t>(n * d_), 0.0f);
     std::vector<float> h(static_cast<size_t>(inter_));
     for (int64_t t = 0; t < n; ++t) {
@@ -607,17 +665,17 @@ class CudaExperts : public CudaBackendOps, public ::testing::WithParamInterface<
         for (int64_t i = 0; i < inter_; ++i) {
           double g = 0, u = 0;
           for (int64_t j = 0; j < d_; ++j) {
-            g += static_cast<double>(gate_f_[(e * inter_ + i) * d_ + j]) * xq[t * d_ + j];
-            u += static_cast<double>(up_f_[(e * inter_ + i) * d_ + j]) * xq[t * d_ + j];
+            g += static_cast<double>(gate_f[(e * inter_ + i) * d_ + j]) * xq[t * d_ + j];
+            u += static_cast<double>(up_f[(e * inter_ + i) * d_ + j]) * xq[t * d_ + j];
           }
           g = std::min<double>(g, limit);
           u = std::clamp<double>(u, -limit, limit);
           h[i] = static_cast<float>(wt[t * k + s] * (g / (1.0 + std::exp(-g))) * u);
         }
-        const std::vector<float> hq = c.down == GgmlType::BF16 ? h : q8_round_trip(h);
+        const std::vector<float> hq = wgmma ? bf16(h) : c.down == GgmlType::BF16 ? h : q8_round_trip(h);
         for (int64_t i = 0; i < d_; ++i) {
           double v = 0;
-          for (int64_t j = 0; j < inter_; ++j) v += static_cast<double>(down_f_[(e * d_ + i) * inter_ + j]) * hq[j];
+          for (int64_t j = 0; j < inter_; ++j) v += static_cast<double>(down_f[(e * d_ + i) * inter_ + j]) * hq[j];
           acc[i] += v;
         }
       }
@@ -671,9 +729,12 @@ TEST_P(CudaExperts, RoutedAndSharedBothModes) {
       if (!fused) {
         expect_rows_close(got, want, n, d, exact ? 2 * kExactBound : kMoeQuantizedBound, what);
       } else {
+        // 70 tokens: 26 pairs per expert, the wgmma tiles where the types have them (Q2_K/Q3_K).
+        const bool wgmma = wgmma_path(experts, n, k);
         const auto rounded = fused_reference(fetch<float>(*cpu_, x.cpu), fetch<int32_t>(*cpu_, ex.cpu),
-                                             fetch<float>(*cpu_, wt.cpu), n, k, 10.0f);
-        expect_rows_close(got, rounded, n, d, kFusedRoundedBound, what + " vs Q8-rounded activations");
+                                             fetch<float>(*cpu_, wt.cpu), n, k, 10.0f, wgmma);
+        expect_rows_close(got, rounded, n, d, kFusedRoundedBound,
+                          what + (wgmma ? " vs BF16-rounded x, weights and h" : " vs Q8-rounded activations"));
         const std::vector<double> exact_sum(want.begin(), want.end());
         EXPECT_LT(relative_error(got, exact_sum), kMoeQuantizedBound) << what << ": all tokens against the exact product";
       }

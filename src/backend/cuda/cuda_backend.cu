@@ -113,7 +113,7 @@ __device__ double block_sum(double v) {
 
 template <class T>
 __global__ void fill_kernel(Mat<T> t, T value) {
-  DSV4_GRID_STRIDE(i, t.rows * t.cols) t.row(i / t.cols)[i % t.cols] = value;
+  DSV4_ROW_TILE(r, c, t.rows, t.cols) t.row(r)[c] = value;
 }
 
 // ---- dense kernels --------------------------------------------------------------------------
@@ -121,8 +121,7 @@ __global__ void fill_kernel(Mat<T> t, T value) {
 template <GgmlType T>
 __global__ void get_rows_kernel(const uint8_t* table, int64_t table_rows, int64_t row_bytes, const int32_t* ids,
                                 int64_t n, Mat<float> y, cuda::exact::Tables tables, uint32_t* errors) {
-  DSV4_GRID_STRIDE(idx, n * y.cols) {
-    const int64_t s = idx / y.cols, i = idx % y.cols;
+  DSV4_ROW_TILE(s, i, n, y.cols) {
     const int32_t id = ids[s];
     if (id < 0 || id >= table_rows) {
       if (i == 0) atomicOr(errors, kDeviceErrorGetRowsId);
@@ -161,30 +160,29 @@ __global__ void rope_kernel(Mat<float> x, int64_t head_dim, int dims, const int3
                             const float* __restrict__ omega, bool inverse) {
   const int half = dims / 2;
   const int64_t heads = x.cols / head_dim;
-  DSV4_GRID_STRIDE(idx, x.rows * heads * half) {
-    const int64_t s = idx / (heads * half), h = (idx / half) % heads;
-    const int i = static_cast<int>(idx % half);
+  DSV4_ROW_TILE(s, c, x.rows, heads * half) {
+    const int h = static_cast<int>(c) / half, i = static_cast<int>(c) % half;  // 32-bit: heads * half < 2^31
     ref::rope_pair(x.row(s) + (h + 1) * head_dim - dims + 2 * i, positions[s], omega[i], inverse);
   }
 }
 
 __global__ void add_kernel(Mat<float> x, Mat<float> y) {
-  DSV4_GRID_STRIDE(i, x.rows * x.cols) {
-    float* o = y.row(i / x.cols) + i % x.cols;
-    *o = __fadd_rn(*o, x.row(i / x.cols)[i % x.cols]);
+  DSV4_ROW_TILE(r, c, x.rows, x.cols) {
+    float* o = y.row(r) + c;
+    *o = __fadd_rn(*o, x.row(r)[c]);
   }
 }
 
 __global__ void scale_kernel(Mat<float> x, float factor) {
-  DSV4_GRID_STRIDE(i, x.rows * x.cols) {
-    float* o = x.row(i / x.cols) + i % x.cols;
+  DSV4_ROW_TILE(r, c, x.rows, x.cols) {
+    float* o = x.row(r) + c;
     *o = __fmul_rn(*o, factor);
   }
 }
 
 // y [rows][k] bf16 (contiguous) from a strided f32 matrix, rounded to nearest even.
 __global__ void f32_to_bf16_rows_kernel(Mat<float> x, __nv_bfloat16* __restrict__ out) {
-  DSV4_GRID_STRIDE(i, x.rows * x.cols) out[i] = __float2bfloat16_rn(x.row(i / x.cols)[i % x.cols]);
+  DSV4_ROW_TILE(r, c, x.rows, x.cols) out[r * x.cols + c] = __float2bfloat16_rn(x.row(r)[c]);
 }
 
 // ---- hyper-connections ----------------------------------------------------------------------
@@ -334,8 +332,8 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
 
 // X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
 __global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, int n_hc, Mat<float> streams) {
-  DSV4_GRID_STRIDE(idx, y.rows * y.cols) {
-    const int64_t s = idx / y.cols, i = idx % y.cols, width = y.cols;
+  DSV4_ROW_TILE(s, i, y.rows, y.cols) {
+    const int64_t width = y.cols;
     float* X = streams.row(s);
     float old[kMaxHc];
     for (int j = 0; j < n_hc; ++j) old[j] = X[j * width + i];
@@ -740,12 +738,12 @@ Status CudaBackend::copy_rows(const Tensor& src, const Tensor& dst) {
 Status CudaBackend::fill(const Tensor& t, float value) {
   if (t.type == GgmlType::F32) {
     DSV4_ASSIGN_OR_RETURN(const Mat<float> v, cudaops::f32(t, this, "fill", "t", -1, -1));
-    fill_kernel<float><<<cudaops::grid_for(v.rows * v.cols), 256, 0, impl_->stream>>>(v, value);
+    fill_kernel<float><<<cudaops::row_tile_grid(v.rows, v.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(v, value);
   } else if (t.type == GgmlType::I32) {
     if (!(value >= -2147483648.0f && value < 2147483648.0f) || value != std::trunc(value))
       return Status::errorf("cuda fill: {} is not an int32 value for {}", value, t.describe());
     DSV4_ASSIGN_OR_RETURN(const Mat<int32_t> v, cudaops::i32(t, this, "fill", "t", -1, -1));
-    fill_kernel<int32_t><<<cudaops::grid_for(v.rows * v.cols), 256, 0, impl_->stream>>>(v, static_cast<int32_t>(value));
+    fill_kernel<int32_t><<<cudaops::row_tile_grid(v.rows, v.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(v, static_cast<int32_t>(value));
   } else {
     return Status::errorf("cuda fill: {} is neither f32 nor i32", t.describe());
   }
@@ -851,13 +849,16 @@ Status matvec_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<flo
   const int64_t rows = x.rows, n = w.n, k = w.k;
   DSV4_ASSIGN_OR_RETURN(const void* wd, aligned_bytes(m, w.data, static_cast<size_t>(n * w.row_bytes), 16));
   const float* xp = x.p;
-  if (x.ld != k || reinterpret_cast<uintptr_t>(x.p) % 16 != 0) {
+  // One row has no stride to speak of: a column slice (the grouped output projection's
+  // heads) goes in and out in place instead of through two copies.
+  const bool one_row = rows == 1;
+  if ((!one_row && x.ld != k) || reinterpret_cast<uintptr_t>(x.p) % 16 != 0) {
     DSV4_ASSIGN_OR_RETURN(void* tmp, m.scratch_bytes(static_cast<size_t>(rows * k) * 4));
     DSV4_TRY(copy_matrix(m, static_cast<float*>(tmp), k, x.p, x.ld, rows, k));
     xp = static_cast<const float*>(tmp);
   }
   float* yp = y.p;
-  const bool copy_out = y.ld != n;
+  const bool copy_out = !one_row && y.ld != n;
   if (copy_out) {
     DSV4_ASSIGN_OR_RETURN(void* tmp, m.scratch_bytes(static_cast<size_t>(rows * n) * 4));
     yp = static_cast<float*>(tmp);
@@ -918,7 +919,7 @@ Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float
   const int64_t rows = x.rows, n = w.n, k = w.k;
   DSV4_ASSIGN_OR_RETURN(void* a_raw, m.reusable(m.bf16_activations, static_cast<size_t>(rows * k) * sizeof(__nv_bfloat16)));
   auto* a = static_cast<__nv_bfloat16*>(a_raw);
-  f32_to_bf16_rows_kernel<<<cudaops::grid_for(rows * k), 256, 0, m.stream>>>(x, a);
+  f32_to_bf16_rows_kernel<<<cudaops::row_tile_grid(rows, k), cudaops::kRowTileThreads, 0, m.stream>>>(x, a);
   DSV4_CUDA_TRY_LAUNCH();
   const int64_t by_bytes = std::max<int64_t>(64, ((int64_t{256} << 20) / (k * 2)) / 64 * 64);
   const int64_t chunk = std::min(by_bytes, (n + 7) / 8 * 8);
@@ -989,6 +990,33 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
   return gemm_product(m, wm, xv, yv);
 }
 
+// One activation row (decode): the groups are a batch of matrices for one matvec call, x's
+// groups its consecutive inputs and y's its consecutive outputs; the same kernel per group
+// as separate calls (the row kernel, its activations quantised by one launch for all groups
+// instead of inside it: the same Q8 blocks), so the same bits. Else the base class's loop.
+Status CudaBackend::matmul_grouped(const Tensor& w, const Tensor& x, const Tensor& y, int64_t groups,
+                                   MatmulMode mode) {
+  const bool batchable = mode == MatmulMode::Quantized && groups > 1 && w.valid() && w.backend == this &&
+                         w.rank == 2 && w.rows() % groups == 0 && cuda::matvec_supported(w.type) &&
+                         w.cols() % 32 == 0 && !cuda::kernel_choice().batch_invariant;
+  if (!batchable) return Backend::matmul_grouped(w, x, y, groups, mode);
+  const int64_t n = w.rows() / groups, k = w.cols();
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "matmul_grouped", "x", -1, groups * k));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "matmul_grouped", "y", xv.rows, groups * n));
+  const auto row_bytes = ggml_row_bytes(w.type, static_cast<uint64_t>(k));
+  if (xv.rows != 1 || !row_bytes || w.row_stride() != static_cast<int64_t>(*row_bytes) ||
+      reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || reinterpret_cast<uintptr_t>(xv.p) % 16 != 0)
+    return Backend::matmul_grouped(w, x, y, groups, mode);
+  Impl& m = *impl_;
+  const cuda::MatvecWeights mw{w.type, w.data, n, k, groups, 0};
+  const size_t ws_bytes = cuda::matvec_workspace_bytes(mw, 1);
+  void* ws = nullptr;
+  if (ws_bytes) {
+    DSV4_ASSIGN_OR_RETURN(ws, m.scratch_bytes(ws_bytes));
+  }
+  return cuda::matvec(mw, xv.p, 1, yv.p, ws, ws_bytes, m.stream);
+}
+
 Status CudaBackend::get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) {
   if (!table.valid() || table.backend != this || !cuda::exact::supported(table.type))
     return Status::errorf("get_rows: table {} is not a table of this backend with a decoder", table.describe());
@@ -1002,9 +1030,9 @@ Status CudaBackend::get_rows(const Tensor& table, const Tensor& ids, const Tenso
   const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs, m.iq_tables};
   const auto* data = static_cast<const uint8_t*>(table.data);
   const auto* id = static_cast<const int32_t*>(ids.data);
-  const unsigned grid = cudaops::grid_for(n * yv.cols);
+  const dim3 grid = cudaops::row_tile_grid(n, yv.cols);
   cuda::exact::dispatch(table.type, [&](auto tag) {
-    get_rows_kernel<decltype(tag)::value><<<grid, 256, 0, m.stream>>>(data, table.rows(), row_bytes, id, n, yv, tables,
+    get_rows_kernel<decltype(tag)::value><<<grid, cudaops::kRowTileThreads, 0, m.stream>>>(data, table.rows(), row_bytes, id, n, yv, tables,
                                                                       m.device_errors);
     return 0;
   });
@@ -1044,7 +1072,7 @@ Status CudaBackend::rope(const Tensor& x, int64_t head_dim, const Tensor& positi
   DSV4_ASSIGN_OR_RETURN(const float* omega, impl_->rope_omega(p));
   const int64_t count = xv.rows * (xv.cols / head_dim) * (p.dims / 2);
   if (count == 0) return Status::ok();
-  rope_kernel<<<cudaops::grid_for(count), 256, 0, impl_->stream>>>(
+  rope_kernel<<<cudaops::row_tile_grid(xv.rows, count / xv.rows), cudaops::kRowTileThreads, 0, impl_->stream>>>(
       xv, head_dim, p.dims, static_cast<const int32_t*>(positions.data), omega, inverse);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
@@ -1054,7 +1082,7 @@ Status CudaBackend::add(const Tensor& x, const Tensor& y) {
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "add", "x", -1, -1));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "add", "y", xv.rows, xv.cols));
   if (xv.rows * xv.cols == 0) return Status::ok();
-  add_kernel<<<cudaops::grid_for(xv.rows * xv.cols), 256, 0, impl_->stream>>>(xv, yv);
+  add_kernel<<<cudaops::row_tile_grid(xv.rows, xv.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(xv, yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1062,7 +1090,7 @@ Status CudaBackend::add(const Tensor& x, const Tensor& y) {
 Status CudaBackend::scale(const Tensor& x, float factor) {
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "scale", "x", -1, -1));
   if (xv.rows * xv.cols == 0) return Status::ok();
-  scale_kernel<<<cudaops::grid_for(xv.rows * xv.cols), 256, 0, impl_->stream>>>(xv, factor);
+  scale_kernel<<<cudaops::row_tile_grid(xv.rows, xv.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(xv, factor);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1097,7 +1125,7 @@ Status CudaBackend::hc_post(const Tensor& y, const Tensor& post, const Tensor& c
   DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_post", "comb", n, n_hc * n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_post", "streams", n, n_hc * width));
   if (n * width == 0) return Status::ok();
-  hc_post_kernel<<<cudaops::grid_for(n * width), 256, 0, impl_->stream>>>(yv, pv, cv, n_hc, sv);
+  hc_post_kernel<<<cudaops::row_tile_grid(n, width), cudaops::kRowTileThreads, 0, impl_->stream>>>(yv, pv, cv, n_hc, sv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

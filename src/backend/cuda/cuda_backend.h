@@ -76,6 +76,7 @@ class CudaBackend final : public Backend {
   void scratch_release(ScratchMark mark) override;
 
   Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) override;
+  Status matmul_grouped(const Tensor& w, const Tensor& x, const Tensor& y, int64_t groups, MatmulMode mode) override;
   Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) override;
   Status rms_norm(const Tensor& x, const Tensor* weight, float eps, int64_t width,
                   const Tensor& y) override;

@@ -121,8 +121,7 @@ __global__ void route_kernel(Mat<float> logits, const float* __restrict__ bias, 
 // up = clamp(u, -L, L) when L > 0. One weight per row (or 1), out may alias g.
 __global__ void swiglu_kernel(Mat<float> g, Mat<float> u, float limit, const float* __restrict__ row_weight,
                               Mat<float> out) {
-  DSV4_GRID_STRIDE(idx, g.rows * g.cols) {
-    const int64_t r = idx / g.cols, i = idx % g.cols;
+  DSV4_ROW_TILE(r, i, g.rows, g.cols) {
     const float weight = row_weight != nullptr ? row_weight[r] : 1.0f;
     out.row(r)[i] = ref::swiglu(g.row(r)[i], u.row(r)[i], limit, weight);
   }
@@ -131,8 +130,7 @@ __global__ void swiglu_kernel(Mat<float> g, Mat<float> u, float limit, const flo
 // y[s] += outs[s*k + j] for j in slot order (slots naming no valid expert add nothing).
 __global__ void sum_slots_kernel(const float* __restrict__ outs, const int32_t* __restrict__ ids, int64_t ld_ids,
                                  int64_t n_experts, int k, Mat<float> y) {
-  DSV4_GRID_STRIDE(idx, y.rows * y.cols) {
-    const int64_t s = idx / y.cols, i = idx % y.cols;
+  DSV4_ROW_TILE(s, i, y.rows, y.cols) {
     float acc = y.row(s)[i];
     for (int j = 0; j < k; ++j) {
       const int32_t e = ids[s * ld_ids + j];
@@ -143,9 +141,9 @@ __global__ void sum_slots_kernel(const float* __restrict__ outs, const int32_t* 
 }
 
 __global__ void add_rows_kernel(const float* __restrict__ x, Mat<float> y) {
-  DSV4_GRID_STRIDE(idx, y.rows * y.cols) {
-    float* o = y.row(idx / y.cols) + idx % y.cols;
-    *o = __fadd_rn(*o, x[idx]);
+  DSV4_ROW_TILE(r, c, y.rows, y.cols) {
+    float* o = y.row(r) + c;
+    *o = __fadd_rn(*o, x[r * y.cols + c]);
   }
 }
 
@@ -261,7 +259,7 @@ Status CudaBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tenso
     // The kernels clamp with `limit` unconditionally; the reference clamps only when L > 0.
     const float clamp = limit > 0 ? limit : INFINITY;
     DSV4_TRY(cuda::moe_experts(ew, xp, routing, clamp, static_cast<float*>(out), ws, ws_bytes, m.stream));
-    add_rows_kernel<<<cudaops::grid_for(n * d), 256, 0, m.stream>>>(static_cast<const float*>(out), yv);
+    add_rows_kernel<<<cudaops::row_tile_grid(n, d), cudaops::kRowTileThreads, 0, m.stream>>>(static_cast<const float*>(out), yv);
     DSV4_CUDA_TRY_LAUNCH();
     return Status::ok();
   }
@@ -285,10 +283,10 @@ Status CudaBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tenso
                                       m.stream));
   // Rows of pairs without a valid expert hold garbage here; nothing below reads them.
   const Mat<float> gm{g, pairs, inter, inter}, um{u, pairs, inter, inter};
-  swiglu_kernel<<<cudaops::grid_for(pairs * inter), 256, 0, m.stream>>>(gm, um, limit, pair_w, gm);
+  swiglu_kernel<<<cudaops::row_tile_grid(pairs, inter), cudaops::kRowTileThreads, 0, m.stream>>>(gm, um, limit, pair_w, gm);
   DSV4_CUDA_TRY_LAUNCH();
   DSV4_TRY(cuda::exact_matmul_grouped(exact_stack(down, m), g, inter, 1, o, d, tiles, m.stream));
-  sum_slots_kernel<<<cudaops::grid_for(n * d), 256, 0, m.stream>>>(o, ids, k, n_experts, static_cast<int>(k), yv);
+  sum_slots_kernel<<<cudaops::row_tile_grid(n, d), cudaops::kRowTileThreads, 0, m.stream>>>(o, ids, k, n_experts, static_cast<int>(k), yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -307,7 +305,7 @@ Status CudaBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Ten
   DSV4_TRY(matmul(gate, x, g, mode));
   DSV4_TRY(matmul(up, x, u, mode));
   const Mat<float> gm{static_cast<float*>(g.data), n, inter, inter}, um{static_cast<float*>(u.data), n, inter, inter};
-  swiglu_kernel<<<cudaops::grid_for(n * inter), 256, 0, impl_->stream>>>(gm, um, limit, nullptr, gm);
+  swiglu_kernel<<<cudaops::row_tile_grid(n, inter), cudaops::kRowTileThreads, 0, impl_->stream>>>(gm, um, limit, nullptr, gm);
   DSV4_CUDA_TRY_LAUNCH();
   DSV4_TRY(matmul(down, g, o, mode));
   return add(o, y);

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "backend/backend.h"
@@ -68,5 +69,25 @@ inline unsigned grid_for(int64_t count, int threads = 256) {
 #define DSV4_GRID_STRIDE(i, count)                                                        \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (count); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// Row-tiled element-wise kernels: blockIdx.x walks the rows, blockIdx.y tiles of
+// kRowTileCols columns, kRowTileThreads threads a tile (kRowTileCols / kRowTileThreads
+// independent loads each). A flat grid-stride index needed a 64-bit division and modulo per
+// element to find its row, and those divisions, not memory, set the time of a prefill
+// chunk's conversions, additions and mHC expansions (issue 10's profile).
+constexpr int kRowTileThreads = 256, kRowTileCols = 1024;
+inline dim3 row_tile_grid(int64_t rows, int64_t cols) {
+  const int64_t tiles = (cols + kRowTileCols - 1) / kRowTileCols;
+  return dim3(static_cast<unsigned>(std::clamp<int64_t>(rows, 1, INT32_MAX)),
+              static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, 65535)), 1);
+}
+
+#define DSV4_ROW_TILE(r, c, rows, cols)                                                                   \
+  for (int64_t r = blockIdx.x; r < (rows); r += gridDim.x)                                               \
+    for (int64_t c##_tile = static_cast<int64_t>(blockIdx.y) * ::dsv4::backend::cudaops::kRowTileCols; \
+         c##_tile < (cols); c##_tile += static_cast<int64_t>(gridDim.y) * ::dsv4::backend::cudaops::kRowTileCols) \
+      _Pragma("unroll") for (int c##_j = 0; c##_j < ::dsv4::backend::cudaops::kRowTileCols;              \
+                              c##_j += ::dsv4::backend::cudaops::kRowTileThreads)                        \
+        if (const int64_t c = c##_tile + c##_j + threadIdx.x; c < (cols))
 
 }  // namespace dsv4::backend::cudaops
