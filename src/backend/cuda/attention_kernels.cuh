@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_ops.h"
+#include "backend/cuda/dependent_launch.cuh"
 
 namespace dsv4::cuda::attn {
 
@@ -156,6 +157,7 @@ __host__ __device__ constexpr size_t exact_attention_smem(int heads_per_block, i
 // softmax in fp32 (running max m, sum l); the sink enters only the final denominator.
 template <int D4>
 __global__ void __launch_bounds__(256, 1) attention_exact_kernel(const AttentionKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   constexpr int D = 128 * D4;
   constexpr int KS = D + 4;  // padded key row: the 16 keys of a tile hit different banks
   extern __shared__ __align__(16) float smem[];
@@ -334,6 +336,7 @@ __global__ void __launch_bounds__(256, 1) attention_exact_kernel(const Attention
 constexpr int kCombineMaxSplits = 1024;
 
 __global__ void attention_combine_kernel(const AttentionKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   __shared__ float weight[kCombineMaxSplits];
   __shared__ float2 ml_s[kCombineMaxSplits];
   __shared__ float den_s;
@@ -383,6 +386,7 @@ __global__ void attention_combine_kernel(const AttentionKernelArgs p) {
 // Block (bx, s): sequence s's row rows-1-bx, when it is among the last `window` rows.
 // Ring rows per slot: ring_rows (>= window).
 __global__ void store_window_kernel(const DeviceRows kv, const StepMeta m, int64_t ring_rows, const DeviceRows ring) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const Seq sq = load_seq(m.seqs, blockIdx.y);
   const int64_t i = int64_t{sq.rows} - 1 - blockIdx.x;
   if (i < 0 || sq.slot < 0 || (int64_t{sq.slot} + 1) * ring_rows > ring.rows) return;
@@ -410,6 +414,7 @@ struct CompressKernelArgs {
 // pooled[row][c] = sum_j softmax_j(z_j[c]) v_j[c] over positions pos + 1 - o*R + j, in the
 // CPU's order (max, then the sum of exponentials, then the weighted sum).
 __global__ void compress_pool_kernel(const CompressKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const CompressArgs& a = p.a;
   const int r = blockIdx.x;
   const int s = p.m.row_seq[r];
@@ -475,6 +480,7 @@ __global__ void compress_pool_kernel(const CompressKernelArgs p) {
 // Block (j, s): ring row j of sequence s's state takes the step's last position q with
 // q mod state_rows == j, if the step has one (score with APE, as the CPU stores it).
 __global__ void compress_state_kernel(const CompressKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const CompressArgs& a = p.a;
   const Seq sq = load_seq(p.m.seqs, blockIdx.y);
   const int R = a.ratio;
@@ -498,11 +504,13 @@ __global__ void compress_state_kernel(const CompressKernelArgs p) {
 // ---- block positions, entries ------------------------------------------------------------
 
 __global__ void block_positions_kernel(const int32_t* positions, int64_t n, int ratio, int32_t* out) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   for (int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; r < n; r += int64_t{gridDim.x} * blockDim.x)
     out[r] = positions[r] - positions[r] % ratio;
 }
 
 __global__ void store_entries_kernel(const DeviceRows pooled, int ratio, const StepMeta m, const DevicePaged dst) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int r = blockIdx.x;
   const int s = m.row_seq[r];
   if (s < 0) return;
@@ -539,6 +547,7 @@ __device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }
 // two buffers. Warp w computes heads 8w..8w+7 (+64 per head group) for keys lane and
 // lane+32, applies ReLU and the weights; the 8 warps' partial sums are added in warp order.
 __global__ void __launch_bounds__(kIndexThreads) indexer_exact_kernel(const IndexerKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   extern __shared__ __align__(16) float smem[];
   const IndexerArgs& a = p.a;
   const int dk = a.dk, HP = p.heads_padded, KS = dk + 4;
@@ -649,6 +658,7 @@ __global__ void __launch_bounds__(kIndexThreads) indexer_exact_kernel(const Inde
 
 // Row blockIdx.x: scores of entries below its slot's first row are -inf.
 __global__ void mask_absent_scores_kernel(const DevicePaged keys, const StepMeta m, const DeviceRows scores) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int r = blockIdx.x, s = m.row_seq[r];
   if (s < 0) return;
   const int64_t first = first_row_of(keys, load_seq(m.seqs, s).slot);
@@ -659,6 +669,7 @@ __global__ void mask_absent_scores_kernel(const DevicePaged keys, const StepMeta
 // Row blockIdx.x (one warp): drops selected entries whose score is -inf, keeping the others
 // in order and padding with -1.
 __global__ void drop_absent_selections_kernel(const DeviceRows scores, int32_t* idx, int64_t idx_ld, int k) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int r = blockIdx.x, lane = threadIdx.x;
   int32_t* row = idx + static_cast<int64_t>(r) * idx_ld;
   const float* sc = row_ptr(scores, r);

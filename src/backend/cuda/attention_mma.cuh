@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_kernels.cuh"
+#include "backend/cuda/dependent_launch.cuh"
 
 namespace dsv4::cuda::attn {
 
@@ -74,6 +75,7 @@ __host__ __device__ constexpr size_t mma_attention_smem(int heads16, int d) {
 // the same softmax), then P (bf16, from registers) times its half of V.
 template <int D>
 __global__ void __launch_bounds__(kMmaThreads, 1) attention_mma_kernel(const AttentionKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   constexpr int LD = D + 8;          // bf16 row stride: ldmatrix rows land in different banks
   constexpr int HALF = D / 2;
   constexpr int NT = HALF / 8;       // output n-tiles per warp
@@ -289,6 +291,7 @@ __host__ __device__ constexpr size_t mma_indexer_smem(int heads16, int dk) {
 // sum over the warp's 16 heads in registers, the four slabs added through shared memory.
 template <int DK>
 __global__ void __launch_bounds__(kMmaIndexThreads) indexer_mma_kernel(const IndexerKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   constexpr int LD = DK + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const IndexerArgs& a = p.a;

@@ -9,6 +9,7 @@
 #include "backend/cuda/attention_kernels.cuh"
 #include "backend/cuda/attention_mma.cuh"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/dependent_launch.cuh"
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/mmq.h"
 #include "backend/cuda/top_k_kernel.cuh"
@@ -203,25 +204,37 @@ Status attention(const AttentionArgs& a, const StepMeta& m, const AttentionPlan&
     const size_t smem = attn::mma_attention_smem(plan.heads_per_block, a.d);
     if (a.d == 512) {
       DSV4_TRY(allow_smem(attn::attention_mma_kernel<512>, lim));
-      attn::attention_mma_kernel<512><<<grid, attn::kMmaThreads, smem, stream>>>(k);
+      cuda::launch_dependent(attn::attention_mma_kernel<512>, grid, attn::kMmaThreads, smem, stream, k);
     } else {
       DSV4_TRY(allow_smem(attn::attention_mma_kernel<256>, lim));
-      attn::attention_mma_kernel<256><<<grid, attn::kMmaThreads, smem, stream>>>(k);
+      cuda::launch_dependent(attn::attention_mma_kernel<256>, grid, attn::kMmaThreads, smem, stream, k);
     }
   } else {
     const size_t smem = attn::exact_attention_smem(plan.heads_per_block, a.d);
     const int threads = plan.heads_per_block * 4;
     switch (a.d / 128) {
-      case 1: DSV4_TRY(allow_smem(attn::attention_exact_kernel<1>, lim)); attn::attention_exact_kernel<1><<<grid, threads, smem, stream>>>(k); break;
-      case 2: DSV4_TRY(allow_smem(attn::attention_exact_kernel<2>, lim)); attn::attention_exact_kernel<2><<<grid, threads, smem, stream>>>(k); break;
-      case 3: DSV4_TRY(allow_smem(attn::attention_exact_kernel<3>, lim)); attn::attention_exact_kernel<3><<<grid, threads, smem, stream>>>(k); break;
-      default: DSV4_TRY(allow_smem(attn::attention_exact_kernel<4>, lim)); attn::attention_exact_kernel<4><<<grid, threads, smem, stream>>>(k); break;
+      case 1:
+        DSV4_TRY(allow_smem(attn::attention_exact_kernel<1>, lim));
+        cuda::launch_dependent(attn::attention_exact_kernel<1>, grid, threads, smem, stream, k);
+        break;
+      case 2:
+        DSV4_TRY(allow_smem(attn::attention_exact_kernel<2>, lim));
+        cuda::launch_dependent(attn::attention_exact_kernel<2>, grid, threads, smem, stream, k);
+        break;
+      case 3:
+        DSV4_TRY(allow_smem(attn::attention_exact_kernel<3>, lim));
+        cuda::launch_dependent(attn::attention_exact_kernel<3>, grid, threads, smem, stream, k);
+        break;
+      default:
+        DSV4_TRY(allow_smem(attn::attention_exact_kernel<4>, lim));
+        cuda::launch_dependent(attn::attention_exact_kernel<4>, grid, threads, smem, stream, k);
+        break;
     }
   }
   DSV4_CUDA_TRY_LAUNCH();
   if (plan.splits > 1) {
-    attn::attention_combine_kernel<<<dim3(static_cast<unsigned>(m.n), static_cast<unsigned>(a.heads)), a.d / 4, 0,
-                                     stream>>>(k);
+    cuda::launch_dependent(attn::attention_combine_kernel,
+                           dim3(static_cast<unsigned>(m.n), static_cast<unsigned>(a.heads)), a.d / 4, 0, stream, k);
     DSV4_CUDA_TRY_LAUNCH();
   }
   return Status::ok();
@@ -238,8 +251,9 @@ Status store_window(const DeviceRows& kv, const StepMeta& m, int64_t window, con
   DSV4_TRY(check_rows(kv, "store_window", "kv", -1, false));
   DSV4_TRY(check_rows(ring, "store_window", "ring", kv.cols, false));
   const int64_t last_rows = std::min(window, m.n);  // a sequence has at most n rows
-  attn::store_window_kernel<<<dim3(static_cast<unsigned>(last_rows), static_cast<unsigned>(m.n_seqs)), 128, 0,
-                              stream>>>(kv, m, ring_rows, ring);
+  cuda::launch_dependent(attn::store_window_kernel,
+                         dim3(static_cast<unsigned>(last_rows), static_cast<unsigned>(m.n_seqs)), 128, 0, stream, kv, m,
+                         ring_rows, ring);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -263,11 +277,11 @@ Status compress(const CompressArgs& a, const StepMeta& m, cudaStream_t stream) {
   attn::CompressKernelArgs k{a, m};
   k.a.state_rows = state_rows;
   // Every pooled entry reads the state as the step found it, so pooling runs first.
-  attn::compress_pool_kernel<<<static_cast<unsigned>(m.n), 128, 0, stream>>>(k);
+  cuda::launch_dependent(attn::compress_pool_kernel, static_cast<unsigned>(m.n), 128, 0, stream, k);
   DSV4_CUDA_TRY_LAUNCH();
   if (m.n_seqs > 0) {
-    attn::compress_state_kernel<<<dim3(static_cast<unsigned>(state_rows), static_cast<unsigned>(m.n_seqs)), 128, 0,
-                                   stream>>>(k);
+    cuda::launch_dependent(attn::compress_state_kernel,
+                           dim3(static_cast<unsigned>(state_rows), static_cast<unsigned>(m.n_seqs)), 128, 0, stream, k);
     DSV4_CUDA_TRY_LAUNCH();
   }
   return Status::ok();
@@ -279,7 +293,7 @@ Status block_positions(const StepMeta& m, int ratio, int32_t* out, cudaStream_t 
   if (m.n == 0) return Status::ok();
   if (!out) return Status::errorf("block_positions: out missing");
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(m.n, 256), 4096));
-  attn::block_positions_kernel<<<blocks, 256, 0, stream>>>(m.positions, m.n, ratio, out);
+  cuda::launch_dependent(attn::block_positions_kernel, blocks, 256, 0, stream, m.positions, m.n, ratio, out);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -293,7 +307,7 @@ Status store_entries(const DeviceRows& pooled, int ratio, const StepMeta& m, con
   DSV4_TRY(check_rows(dst.pool, "store_entries", "paged pool", pooled.cols, false));
   if (!dst.page_table || dst.page_rows <= 0 || dst.table_ld < dst.max_pages)
     return Status::errorf("store_entries: page table malformed ({} rows per page)", dst.page_rows);
-  attn::store_entries_kernel<<<static_cast<unsigned>(m.n), 128, 0, stream>>>(pooled, ratio, m, dst);
+  cuda::launch_dependent(attn::store_entries_kernel, static_cast<unsigned>(m.n), 128, 0, stream, pooled, ratio, m, dst);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -301,7 +315,7 @@ Status store_entries(const DeviceRows& pooled, int ratio, const StepMeta& m, con
 Status mask_absent_scores(const DevicePaged& keys, const StepMeta& m, const DeviceRows& scores, cudaStream_t stream) {
   DSV4_TRY(check_meta(m, "mask_absent_scores"));
   if (!keys.first_row || m.n == 0) return Status::ok();
-  attn::mask_absent_scores_kernel<<<static_cast<unsigned>(m.n), 256, 0, stream>>>(keys, m, scores);
+  cuda::launch_dependent(attn::mask_absent_scores_kernel, static_cast<unsigned>(m.n), 256, 0, stream, keys, m, scores);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -310,7 +324,8 @@ Status drop_absent_selections(const DeviceRows& scores, const StepMeta& m, int32
                               cudaStream_t stream) {
   DSV4_TRY(check_meta(m, "drop_absent_selections"));
   if (m.n == 0) return Status::ok();
-  attn::drop_absent_selections_kernel<<<static_cast<unsigned>(m.n), 32, 0, stream>>>(scores, idx, idx_ld, k);
+  cuda::launch_dependent(attn::drop_absent_selections_kernel, static_cast<unsigned>(m.n), 32, 0, stream, scores, idx,
+                         idx_ld, k);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -344,10 +359,10 @@ Status indexer_scores(const IndexerArgs& a, const StepMeta& m, AttentionPrecisio
   const dim3 grid(static_cast<unsigned>(m.n), static_cast<unsigned>(ceil_div(col_tiles, k.tiles_per_block)));
   if (tc) {
     DSV4_TRY(allow_smem(attn::indexer_mma_kernel<128>, lim));
-    attn::indexer_mma_kernel<128><<<grid, attn::kMmaIndexThreads, smem, stream>>>(k);
+    cuda::launch_dependent(attn::indexer_mma_kernel<128>, grid, attn::kMmaIndexThreads, smem, stream, k);
   } else {
     DSV4_TRY(allow_smem(attn::indexer_exact_kernel, lim));
-    attn::indexer_exact_kernel<<<grid, attn::kIndexThreads, smem, stream>>>(k);
+    cuda::launch_dependent(attn::indexer_exact_kernel, grid, attn::kIndexThreads, smem, stream, k);
   }
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
@@ -397,8 +412,9 @@ Status top_k(const DeviceRows& scores, int ratio, const StepMeta& m, int k, int3
   if (plan.chunks > 0) {
     a.stage_cap = std::min(plan.chunk, attn::kTopKStageMax);
     DSV4_TRY(allow_smem(attn::top_k_chunk_kernel<1024>, lim));
-    attn::top_k_chunk_kernel<1024><<<dim3(static_cast<unsigned>(m.n), static_cast<unsigned>(plan.chunks)), 1024,
-                                     static_cast<size_t>(a.stage_cap) * sizeof(uint32_t), stream>>>(a);
+    cuda::launch_dependent(attn::top_k_chunk_kernel<1024>,
+                           dim3(static_cast<unsigned>(m.n), static_cast<unsigned>(plan.chunks)), 1024,
+                           static_cast<size_t>(a.stage_cap) * sizeof(uint32_t), stream, a);
     DSV4_CUDA_TRY_LAUNCH();
     a.stage_cap = plan.chunks * k;
   } else {
@@ -407,10 +423,10 @@ Status top_k(const DeviceRows& scores, int ratio, const StepMeta& m, int k, int3
   const size_t smem = static_cast<size_t>(a.stage_cap) * sizeof(uint32_t);
   if (plan.chunks > 0 || plan.v_max > 2048) {
     DSV4_TRY(allow_smem(attn::top_k_kernel<1024>, lim));
-    attn::top_k_kernel<1024><<<static_cast<unsigned>(m.n), 1024, smem, stream>>>(a);
+    cuda::launch_dependent(attn::top_k_kernel<1024>, static_cast<unsigned>(m.n), 1024, smem, stream, a);
   } else {
     DSV4_TRY(allow_smem(attn::top_k_kernel<256>, lim));
-    attn::top_k_kernel<256><<<static_cast<unsigned>(m.n), 256, smem, stream>>>(a);
+    cuda::launch_dependent(attn::top_k_kernel<256>, static_cast<unsigned>(m.n), 256, smem, stream, a);
   }
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();

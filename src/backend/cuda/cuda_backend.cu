@@ -23,6 +23,7 @@
 #include "backend/cpu/cpu_math.h"
 #include "backend/cuda/cuda_backend_impl.cuh"
 #include "backend/cuda/cuda_ops.cuh"
+#include "backend/cuda/dependent_launch.cuh"
 #include "backend/cuda/device_info.h"
 #include "backend/cuda/exact_decode.cuh"
 #include "backend/cuda/exact_gemm.h"
@@ -113,6 +114,7 @@ __device__ double block_sum(double v) {
 
 template <class T>
 __global__ void fill_kernel(Mat<T> t, T value) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(r, c, t.rows, t.cols) t.row(r)[c] = value;
 }
 
@@ -121,6 +123,7 @@ __global__ void fill_kernel(Mat<T> t, T value) {
 template <GgmlType T>
 __global__ void get_rows_kernel(const uint8_t* table, int64_t table_rows, int64_t row_bytes, const int32_t* ids,
                                 int64_t n, Mat<float> y, cuda::exact::Tables tables, uint32_t* errors) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(s, i, n, y.cols) {
     const int32_t id = ids[s];
     if (id < 0 || id >= table_rows) {
@@ -136,12 +139,14 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t table_rows, int64_
 template <GgmlType T>
 __global__ void decode_rows_kernel(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, float* __restrict__ out,
                                    cuda::exact::Tables tables) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_GRID_STRIDE(idx, n * k) out[idx] = cuda::exact::element<T>(w + (idx / k) * row_bytes, idx % k, tables);
 }
 
 // One block per group of `width` values of a row.
 __global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float eps, int64_t width, int64_t groups,
                                 Mat<float> y) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
   const float* xr = x.row(row) + g * width;
   float* yr = y.row(row) + g * width;
@@ -158,6 +163,7 @@ __global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float
 // One thread per (row, head, pair).
 __global__ void rope_kernel(Mat<float> x, int64_t head_dim, int dims, const int32_t* __restrict__ positions,
                             const float* __restrict__ omega, bool inverse) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int half = dims / 2;
   const int64_t heads = x.cols / head_dim;
   DSV4_ROW_TILE(s, c, x.rows, heads * half) {
@@ -167,6 +173,7 @@ __global__ void rope_kernel(Mat<float> x, int64_t head_dim, int dims, const int3
 }
 
 __global__ void add_kernel(Mat<float> x, Mat<float> y) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(r, c, x.rows, x.cols) {
     float* o = y.row(r) + c;
     *o = __fadd_rn(*o, x.row(r)[c]);
@@ -174,6 +181,7 @@ __global__ void add_kernel(Mat<float> x, Mat<float> y) {
 }
 
 __global__ void scale_kernel(Mat<float> x, float factor) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(r, c, x.rows, x.cols) {
     float* o = x.row(r) + c;
     *o = __fmul_rn(*o, factor);
@@ -182,6 +190,7 @@ __global__ void scale_kernel(Mat<float> x, float factor) {
 
 // y [rows][k] bf16 (contiguous) from a strided f32 matrix, rounded to nearest even.
 __global__ void f32_to_bf16_rows_kernel(Mat<float> x, __nv_bfloat16* __restrict__ out) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(r, c, x.rows, x.cols) out[r * x.cols + c] = __float2bfloat16_rn(x.row(r)[c]);
 }
 
@@ -302,6 +311,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
                                                             const float* __restrict__ base, int n_hc, int iters,
                                                             float hc_eps, float norm_eps, int64_t width, Mat<float> x,
                                                             Mat<float> post, Mat<float> comb) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   __shared__ float pre[kMaxHc];
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
@@ -332,6 +342,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
 
 // X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
 __global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, int n_hc, Mat<float> streams) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(s, i, y.rows, y.cols) {
     const int64_t width = y.cols;
     float* X = streams.row(s);
@@ -347,6 +358,7 @@ __global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, i
 __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams, Mat<float> mixes, const float* __restrict__ scale,
                                const float* __restrict__ base, int n_hc, float hc_eps, float norm_eps, int64_t width,
                                Mat<float> x) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   __shared__ float w[kMaxHc];
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
@@ -366,6 +378,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams,
 
 // One block per (row, group) in shared memory: cpu::hadamard's butterflies stage by stage.
 __global__ void hadamard_kernel(Mat<float> x, int64_t width, int64_t groups) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   extern __shared__ float v[];
   const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
   float* p = x.row(row) + g * width;
@@ -390,6 +403,7 @@ __global__ void hadamard_kernel(Mat<float> x, int64_t width, int64_t groups) {
 // it and the scale. (One thread per block was 16 us per decode step and layer: a 512-wide KV
 // row is 8 threads walking 64 values each.)
 __global__ void round_fp8_kernel(Mat<float> x, int64_t cols, int64_t block) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int64_t per_row = cols / block;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -410,11 +424,13 @@ __global__ void round_fp8_kernel(Mat<float> x, int64_t cols, int64_t block) {
 }
 
 __global__ void round_fp4_kernel(Mat<float> x, int64_t block) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int64_t per_row = x.cols / block;
   DSV4_GRID_STRIDE(idx, x.rows * per_row) ref::round_fp4_block(x.row(idx / per_row) + (idx % per_row) * block, block);
 }
 
 __global__ void round_fp4_e4m3_kernel(Mat<float> x, int64_t block) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int64_t per_row = x.cols / block;
   DSV4_GRID_STRIDE(idx, x.rows * per_row)
     ref::round_fp4_e4m3_block(x.row(idx / per_row) + (idx % per_row) * block, block);
@@ -738,12 +754,14 @@ Status CudaBackend::copy_rows(const Tensor& src, const Tensor& dst) {
 Status CudaBackend::fill(const Tensor& t, float value) {
   if (t.type == GgmlType::F32) {
     DSV4_ASSIGN_OR_RETURN(const Mat<float> v, cudaops::f32(t, this, "fill", "t", -1, -1));
-    fill_kernel<float><<<cudaops::row_tile_grid(v.rows, v.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(v, value);
+    cuda::launch_dependent(fill_kernel<float>, cudaops::row_tile_grid(v.rows, v.cols), cudaops::kRowTileThreads, 0,
+                           impl_->stream, v, value);
   } else if (t.type == GgmlType::I32) {
     if (!(value >= -2147483648.0f && value < 2147483648.0f) || value != std::trunc(value))
       return Status::errorf("cuda fill: {} is not an int32 value for {}", value, t.describe());
     DSV4_ASSIGN_OR_RETURN(const Mat<int32_t> v, cudaops::i32(t, this, "fill", "t", -1, -1));
-    fill_kernel<int32_t><<<cudaops::row_tile_grid(v.rows, v.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(v, static_cast<int32_t>(value));
+    cuda::launch_dependent(fill_kernel<int32_t>, cudaops::row_tile_grid(v.rows, v.cols), cudaops::kRowTileThreads, 0,
+                           impl_->stream, v, static_cast<int32_t>(value));
   } else {
     return Status::errorf("cuda fill: {} is neither f32 nor i32", t.describe());
   }
@@ -897,8 +915,8 @@ Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<f
     int64_t ldw = w.row_bytes / 4;
     if (!in_place) {
       cuda::exact::dispatch(w.type, [&](auto tag) {
-        decode_rows_kernel<decltype(tag)::value>
-            <<<cudaops::grid_for(nc * k), 256, 0, m.stream>>>(src, w.row_bytes, nc, k, decoded, tables);
+        cuda::launch_dependent(decode_rows_kernel<decltype(tag)::value>, cudaops::grid_for(nc * k), 256, 0, m.stream,
+                               src, w.row_bytes, nc, k, decoded, tables);
         return 0;
       });
       DSV4_CUDA_TRY_LAUNCH();
@@ -919,7 +937,8 @@ Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float
   const int64_t rows = x.rows, n = w.n, k = w.k;
   DSV4_ASSIGN_OR_RETURN(void* a_raw, m.reusable(m.bf16_activations, static_cast<size_t>(rows * k) * sizeof(__nv_bfloat16)));
   auto* a = static_cast<__nv_bfloat16*>(a_raw);
-  f32_to_bf16_rows_kernel<<<cudaops::row_tile_grid(rows, k), cudaops::kRowTileThreads, 0, m.stream>>>(x, a);
+  cuda::launch_dependent(f32_to_bf16_rows_kernel, cudaops::row_tile_grid(rows, k), cudaops::kRowTileThreads, 0,
+                         m.stream, x, a);
   DSV4_CUDA_TRY_LAUNCH();
   const int64_t by_bytes = std::max<int64_t>(64, ((int64_t{256} << 20) / (k * 2)) / 64 * 64);
   const int64_t chunk = std::min(by_bytes, (n + 7) / 8 * 8);
@@ -1032,8 +1051,8 @@ Status CudaBackend::get_rows(const Tensor& table, const Tensor& ids, const Tenso
   const auto* id = static_cast<const int32_t*>(ids.data);
   const dim3 grid = cudaops::row_tile_grid(n, yv.cols);
   cuda::exact::dispatch(table.type, [&](auto tag) {
-    get_rows_kernel<decltype(tag)::value><<<grid, cudaops::kRowTileThreads, 0, m.stream>>>(data, table.rows(), row_bytes, id, n, yv, tables,
-                                                                      m.device_errors);
+    cuda::launch_dependent(get_rows_kernel<decltype(tag)::value>, grid, cudaops::kRowTileThreads, 0, m.stream, data,
+                           table.rows(), row_bytes, id, n, yv, tables, m.device_errors);
     return 0;
   });
   DSV4_CUDA_TRY_LAUNCH();
@@ -1056,7 +1075,8 @@ Status CudaBackend::rms_norm(const Tensor& x, const Tensor* weight, float eps, i
   // About four values per thread: a decode step normalises one row per launch, and one block
   // of 256 threads walked a 4096-wide row in 16 dependent rounds of loads (issue 10's profile).
   const int threads = static_cast<int>(std::clamp<int64_t>((width / 4 + 31) / 32 * 32, 64, 1024));
-  rms_norm_kernel<<<static_cast<unsigned>(blocks), threads, 0, impl_->stream>>>(xv, w, eps, width, groups, yv);
+  cuda::launch_dependent(rms_norm_kernel, static_cast<unsigned>(blocks), threads, 0, impl_->stream, xv, w, eps, width,
+                         groups, yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1072,8 +1092,9 @@ Status CudaBackend::rope(const Tensor& x, int64_t head_dim, const Tensor& positi
   DSV4_ASSIGN_OR_RETURN(const float* omega, impl_->rope_omega(p));
   const int64_t count = xv.rows * (xv.cols / head_dim) * (p.dims / 2);
   if (count == 0) return Status::ok();
-  rope_kernel<<<cudaops::row_tile_grid(xv.rows, count / xv.rows), cudaops::kRowTileThreads, 0, impl_->stream>>>(
-      xv, head_dim, p.dims, static_cast<const int32_t*>(positions.data), omega, inverse);
+  cuda::launch_dependent(rope_kernel, cudaops::row_tile_grid(xv.rows, count / xv.rows), cudaops::kRowTileThreads, 0,
+                         impl_->stream, xv, head_dim, p.dims, static_cast<const int32_t*>(positions.data), omega,
+                         inverse);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1082,7 +1103,8 @@ Status CudaBackend::add(const Tensor& x, const Tensor& y) {
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "add", "x", -1, -1));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "add", "y", xv.rows, xv.cols));
   if (xv.rows * xv.cols == 0) return Status::ok();
-  add_kernel<<<cudaops::row_tile_grid(xv.rows, xv.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(xv, yv);
+  cuda::launch_dependent(add_kernel, cudaops::row_tile_grid(xv.rows, xv.cols), cudaops::kRowTileThreads, 0,
+                         impl_->stream, xv, yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1090,7 +1112,8 @@ Status CudaBackend::add(const Tensor& x, const Tensor& y) {
 Status CudaBackend::scale(const Tensor& x, float factor) {
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "scale", "x", -1, -1));
   if (xv.rows * xv.cols == 0) return Status::ok();
-  scale_kernel<<<cudaops::row_tile_grid(xv.rows, xv.cols), cudaops::kRowTileThreads, 0, impl_->stream>>>(xv, factor);
+  cuda::launch_dependent(scale_kernel, cudaops::row_tile_grid(xv.rows, xv.cols), cudaops::kRowTileThreads, 0,
+                         impl_->stream, xv, factor);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1111,8 +1134,8 @@ Status CudaBackend::hc_pre(const Tensor& streams, const Tensor& mixes, const Ten
   DSV4_ASSIGN_OR_RETURN(const Mat<float> pv, cudaops::f32(post, this, "hc_pre", "post", n, n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_pre", "comb", n, n_hc * n_hc));
   if (n == 0) return Status::ok();
-  hc_pre_kernel<<<static_cast<unsigned>(n), kHcThreads, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, sinkhorn_iters, hc_eps,
-                                                                     norm_eps, width, xv, pv, cv);
+  cuda::launch_dependent(hc_pre_kernel, static_cast<unsigned>(n), kHcThreads, 0, impl_->stream, sv, mv, scv.p, bv.p,
+                         n_hc, sinkhorn_iters, hc_eps, norm_eps, width, xv, pv, cv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1125,7 +1148,8 @@ Status CudaBackend::hc_post(const Tensor& y, const Tensor& post, const Tensor& c
   DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_post", "comb", n, n_hc * n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_post", "streams", n, n_hc * width));
   if (n * width == 0) return Status::ok();
-  hc_post_kernel<<<cudaops::row_tile_grid(n, width), cudaops::kRowTileThreads, 0, impl_->stream>>>(yv, pv, cv, n_hc, sv);
+  cuda::launch_dependent(hc_post_kernel, cudaops::row_tile_grid(n, width), cudaops::kRowTileThreads, 0, impl_->stream,
+                         yv, pv, cv, n_hc, sv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1141,8 +1165,8 @@ Status CudaBackend::hc_head(const Tensor& streams, const Tensor& mixes, const Te
   DSV4_ASSIGN_OR_RETURN(const Mat<float> bv, cudaops::f32(base, this, "hc_head", "base", -1, n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "hc_head", "x", n, width));
   if (n == 0) return Status::ok();
-  hc_head_kernel<<<static_cast<unsigned>(n), kHcThreads, 0, impl_->stream>>>(sv, mv, scv.p, bv.p, n_hc, hc_eps, norm_eps,
-                                                                      width, xv);
+  cuda::launch_dependent(hc_head_kernel, static_cast<unsigned>(n), kHcThreads, 0, impl_->stream, sv, mv, scv.p, bv.p,
+                         n_hc, hc_eps, norm_eps, width, xv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1157,8 +1181,8 @@ Status CudaBackend::hadamard(const Tensor& x, int64_t width) {
   const int64_t groups = xv.cols / width, blocks = xv.rows * groups;
   if (blocks == 0) return Status::ok();
   if (blocks > INT32_MAX) return Status::errorf("hadamard: {} groups exceed the grid", blocks);
-  hadamard_kernel<<<static_cast<unsigned>(blocks), 256, static_cast<size_t>(width) * sizeof(float), impl_->stream>>>(
-      xv, width, groups);
+  cuda::launch_dependent(hadamard_kernel, static_cast<unsigned>(blocks), 256,
+                         static_cast<size_t>(width) * sizeof(float), impl_->stream, xv, width, groups);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1169,7 +1193,7 @@ Status CudaBackend::round_fp8_blocks(const Tensor& x, int64_t cols, int64_t bloc
     return Status::errorf("round_fp8_blocks: {} columns in blocks of {} of {}", cols, block, x.describe());
   const int64_t count = xv.rows * (cols / block);
   if (count == 0) return Status::ok();
-  round_fp8_kernel<<<cudaops::grid_for(count * 32, 128), 128, 0, impl_->stream>>>(xv, cols, block);
+  cuda::launch_dependent(round_fp8_kernel, cudaops::grid_for(count * 32, 128), 128, 0, impl_->stream, xv, cols, block);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1180,7 +1204,7 @@ Status CudaBackend::round_fp4_blocks(const Tensor& x, int64_t block) {
     return Status::errorf("round_fp4_blocks: blocks of {} of {}", block, x.describe());
   const int64_t count = xv.rows * (xv.cols / block);
   if (count == 0) return Status::ok();
-  round_fp4_kernel<<<cudaops::grid_for(count, 128), 128, 0, impl_->stream>>>(xv, block);
+  cuda::launch_dependent(round_fp4_kernel, cudaops::grid_for(count, 128), 128, 0, impl_->stream, xv, block);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -1191,7 +1215,7 @@ Status CudaBackend::round_fp4_e4m3_blocks(const Tensor& x, int64_t block) {
     return Status::errorf("round_fp4_e4m3_blocks: blocks of {} of {}", block, x.describe());
   const int64_t count = xv.rows * (xv.cols / block);
   if (count == 0) return Status::ok();
-  round_fp4_e4m3_kernel<<<cudaops::grid_for(count, 128), 128, 0, impl_->stream>>>(xv, block);
+  cuda::launch_dependent(round_fp4_e4m3_kernel, cudaops::grid_for(count, 128), 128, 0, impl_->stream, xv, block);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

@@ -9,6 +9,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_backend_impl.cuh"
 #include "backend/cuda/cuda_ops.cuh"
+#include "backend/cuda/dependent_launch.cuh"
 #include "backend/cuda/exact_gemm.h"
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/moe_experts.h"
@@ -29,6 +30,7 @@ constexpr int64_t kMaxExperts = 4096;
 __global__ void route_kernel(Mat<float> logits, const float* __restrict__ bias, Mat<int32_t> tid2eid,
                              const int32_t* __restrict__ tokens, int k, float route_scale, Mat<int32_t> experts,
                              Mat<float> weights, uint32_t* errors) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   extern __shared__ float smem[];
   const int64_t n_experts = logits.cols;
   float* score = smem;              // [E]
@@ -121,6 +123,7 @@ __global__ void route_kernel(Mat<float> logits, const float* __restrict__ bias, 
 // up = clamp(u, -L, L) when L > 0. One weight per row (or 1), out may alias g.
 __global__ void swiglu_kernel(Mat<float> g, Mat<float> u, float limit, const float* __restrict__ row_weight,
                               Mat<float> out) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(r, i, g.rows, g.cols) {
     const float weight = row_weight != nullptr ? row_weight[r] : 1.0f;
     out.row(r)[i] = ref::swiglu(g.row(r)[i], u.row(r)[i], limit, weight);
@@ -130,6 +133,7 @@ __global__ void swiglu_kernel(Mat<float> g, Mat<float> u, float limit, const flo
 // y[s] += outs[s*k + j] for j in slot order (slots naming no valid expert add nothing).
 __global__ void sum_slots_kernel(const float* __restrict__ outs, const int32_t* __restrict__ ids, int64_t ld_ids,
                                  int64_t n_experts, int k, Mat<float> y) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(s, i, y.rows, y.cols) {
     float acc = y.row(s)[i];
     for (int j = 0; j < k; ++j) {
@@ -141,6 +145,7 @@ __global__ void sum_slots_kernel(const float* __restrict__ outs, const int32_t* 
 }
 
 __global__ void add_rows_kernel(const float* __restrict__ x, Mat<float> y) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(r, c, y.rows, y.cols) {
     float* o = y.row(r) + c;
     *o = __fadd_rn(*o, x[r * y.cols + c]);
@@ -195,8 +200,8 @@ Status CudaBackend::route(const Tensor& logits, const Tensor* bias, const Tensor
   }
   if (n == 0) return Status::ok();
   const size_t smem = static_cast<size_t>(2 * n_experts) * sizeof(float);
-  route_kernel<<<static_cast<unsigned>(n), 256, smem, impl_->stream>>>(lv, bias_p, table, token_p, k, route_scale, ev,
-                                                                      wv, impl_->device_errors);
+  cuda::launch_dependent(route_kernel, static_cast<unsigned>(n), 256, smem, impl_->stream, lv, bias_p, table, token_p,
+                         k, route_scale, ev, wv, impl_->device_errors);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -259,7 +264,8 @@ Status CudaBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tenso
     // The kernels clamp with `limit` unconditionally; the reference clamps only when L > 0.
     const float clamp = limit > 0 ? limit : INFINITY;
     DSV4_TRY(cuda::moe_experts(ew, xp, routing, clamp, static_cast<float*>(out), ws, ws_bytes, m.stream));
-    add_rows_kernel<<<cudaops::row_tile_grid(n, d), cudaops::kRowTileThreads, 0, m.stream>>>(static_cast<const float*>(out), yv);
+    cuda::launch_dependent(add_rows_kernel, cudaops::row_tile_grid(n, d), cudaops::kRowTileThreads, 0, m.stream,
+                           static_cast<const float*>(out), yv);
     DSV4_CUDA_TRY_LAUNCH();
     return Status::ok();
   }
@@ -283,10 +289,12 @@ Status CudaBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tenso
                                       m.stream));
   // Rows of pairs without a valid expert hold garbage here; nothing below reads them.
   const Mat<float> gm{g, pairs, inter, inter}, um{u, pairs, inter, inter};
-  swiglu_kernel<<<cudaops::row_tile_grid(pairs, inter), cudaops::kRowTileThreads, 0, m.stream>>>(gm, um, limit, pair_w, gm);
+  cuda::launch_dependent(swiglu_kernel, cudaops::row_tile_grid(pairs, inter), cudaops::kRowTileThreads, 0, m.stream, gm,
+                         um, limit, pair_w, gm);
   DSV4_CUDA_TRY_LAUNCH();
   DSV4_TRY(cuda::exact_matmul_grouped(exact_stack(down, m), g, inter, 1, o, d, tiles, m.stream));
-  sum_slots_kernel<<<cudaops::row_tile_grid(n, d), cudaops::kRowTileThreads, 0, m.stream>>>(o, ids, k, n_experts, static_cast<int>(k), yv);
+  cuda::launch_dependent(sum_slots_kernel, cudaops::row_tile_grid(n, d), cudaops::kRowTileThreads, 0, m.stream, o, ids,
+                         k, n_experts, static_cast<int>(k), yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -305,7 +313,8 @@ Status CudaBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Ten
   DSV4_TRY(matmul(gate, x, g, mode));
   DSV4_TRY(matmul(up, x, u, mode));
   const Mat<float> gm{static_cast<float*>(g.data), n, inter, inter}, um{static_cast<float*>(u.data), n, inter, inter};
-  swiglu_kernel<<<cudaops::row_tile_grid(n, inter), cudaops::kRowTileThreads, 0, impl_->stream>>>(gm, um, limit, nullptr, gm);
+  cuda::launch_dependent(swiglu_kernel, cudaops::row_tile_grid(n, inter), cudaops::kRowTileThreads, 0, impl_->stream,
+                         gm, um, limit, nullptr, gm);
   DSV4_CUDA_TRY_LAUNCH();
   DSV4_TRY(matmul(down, g, o, mode));
   return add(o, y);

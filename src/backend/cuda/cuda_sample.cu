@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_backend_impl.cuh"
+#include "backend/cuda/dependent_launch.cuh"
 #include "backend/sampling.h"
 
 namespace dsv4::backend {
@@ -17,6 +18,7 @@ namespace {
 constexpr int kThreads = 1024;
 
 __global__ void adjust_kernel(float* logits, int64_t ld, const int32_t* adj, int64_t m, int64_t rows, int64_t vocab) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   const int64_t a = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (a >= m) return;
   const int32_t* f = adj + a * kAdjustFields;
@@ -106,6 +108,7 @@ __device__ uint64_t radix_select(const float* x, int64_t vocab, float temperatur
 
 __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int64_t ld, int64_t vocab,
                                                           const int32_t* params, int32_t* out) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   __shared__ Best best_shared[kThreads / 32];
   __shared__ unsigned long long hist[256];
   __shared__ unsigned int counts[256];
@@ -193,14 +196,14 @@ Status CudaBackend::sample(const Tensor& logits, const Tensor& params, const Ten
     if (adjust->type != GgmlType::I32 || adjust->cols() != kAdjustFields || !adjust->contiguous())
       return Status::errorf("cuda sample: adjust {}", adjust->describe());
     const int64_t m = adjust->rows();
-    adjust_kernel<<<static_cast<unsigned>((m + 255) / 256), 256, 0, s>>>(static_cast<float*>(logits.data), ld,
-                                                                          static_cast<const int32_t*>(adjust->data), m,
-                                                                          n, vocab);
+    cuda::launch_dependent(adjust_kernel, static_cast<unsigned>((m + 255) / 256), 256, 0, s,
+                           static_cast<float*>(logits.data), ld, static_cast<const int32_t*>(adjust->data), m, n,
+                           vocab);
     DSV4_CUDA_TRY_LAUNCH();
   }
-  sample_kernel<<<static_cast<unsigned>(n), kThreads, 0, s>>>(static_cast<const float*>(logits.data), ld, vocab,
-                                                               static_cast<const int32_t*>(params.data),
-                                                               static_cast<int32_t*>(out.data));
+  cuda::launch_dependent(sample_kernel, static_cast<unsigned>(n), kThreads, 0, s,
+                         static_cast<const float*>(logits.data), ld, vocab, static_cast<const int32_t*>(params.data),
+                         static_cast<int32_t*>(out.data));
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/dependent_launch.cuh"
 #include "backend/cuda/matvec_launch.cuh"  // sm_count
 
 namespace dsv4::cuda {
@@ -50,6 +51,7 @@ __device__ __forceinline__ float cpu_order_sum(float a) {
 // One block: TM activation rows x kWarps output features (exact_gemm.h).
 template <GgmlType T, int TM>
 __global__ void __launch_bounds__(kThreads) exact_gemm_kernel(const GemmArgs a) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   constexpr bool kPlain = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16;
   __shared__ float xs[TM][kBK];
   __shared__ int64_t x_row[TM];
@@ -232,6 +234,7 @@ StagePlan stage_plan(int64_t m, int64_t n, int64_t k, int64_t row_data_bytes, bo
 template <GgmlType T, int R>
 __global__ void __launch_bounds__(1024) exact_staged_kernel(const GemmArgs a, const int outputs, const int64_t x_bytes,
                                                             const int64_t w_bytes) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   constexpr int rows = R;  // per block; the last block of rows may have fewer
   constexpr bool kPlain = T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16;
   extern __shared__ __align__(16) uint8_t staged[];
@@ -298,8 +301,8 @@ Status launch_staged(const GemmArgs& a, const StagePlan& plan, cudaStream_t stre
     attribute_set = true;
   }
   const dim3 blocks(static_cast<unsigned>(ceil_div(a.n, plan.outputs)), static_cast<unsigned>(ceil_div(a.m, R)), 1);
-  exact_staged_kernel<T, R><<<blocks, plan.threads, static_cast<size_t>(plan.smem), stream>>>(a, plan.outputs,
-                                                                                            plan.x_bytes, plan.w_bytes);
+  cuda::launch_dependent(exact_staged_kernel<T, R>, blocks, plan.threads, static_cast<size_t>(plan.smem), stream, a,
+                         plan.outputs, plan.x_bytes, plan.w_bytes);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -316,9 +319,12 @@ Status launch(const GemmArgs& a, int tm, dim3 grid, cudaStream_t stream) {
       if (plan.rows == 2) return launch_staged<T, 2>(a, plan, stream);
     }
     return launch_staged<T, 1>(a, plan, stream);
-  } else if (tm == 1) exact_gemm_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
-  else if (tm == 4) exact_gemm_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
-  else exact_gemm_kernel<T, kExactTileRows><<<grid, kThreads, 0, stream>>>(a);
+  } else if (tm == 1)
+    cuda::launch_dependent(exact_gemm_kernel<T, 1>, grid, kThreads, 0, stream, a);
+  else if (tm == 4)
+    cuda::launch_dependent(exact_gemm_kernel<T, 4>, grid, kThreads, 0, stream, a);
+  else
+    cuda::launch_dependent(exact_gemm_kernel<T, kExactTileRows>, grid, kThreads, 0, stream, a);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
@@ -359,6 +365,7 @@ __global__ void build_tiles_kernel(const int32_t* __restrict__ ids, int pairs, i
                                    int* __restrict__ sorted_pairs, int* __restrict__ tile_expert,
                                    int* __restrict__ tile_first, int* __restrict__ tile_count,
                                    int* __restrict__ n_tiles, uint32_t* errors, uint32_t error_bit) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   extern __shared__ int counts[];  // [n_experts] counts, [n_experts] offsets, [n_experts] first tile
   int* offsets = counts + n_experts;
   int* first_tile = offsets + n_experts;
@@ -447,9 +454,9 @@ Status build_expert_tiles(const int32_t* ids, int64_t pairs, int64_t n_experts, 
   int* tile_count = tile_first + max_tiles;
   int* n_tiles = tile_count + max_tiles;
   const size_t smem = static_cast<size_t>(3 * n_experts) * sizeof(int);
-  build_tiles_kernel<<<1, 1024, smem, stream>>>(ids, static_cast<int>(pairs), static_cast<int>(n_experts),
-                                                kExactTileRows, sorted, tile_expert, tile_first, tile_count, n_tiles,
-                                                errors, error_bit);
+  cuda::launch_dependent(build_tiles_kernel, 1, 1024, smem, stream, ids, static_cast<int>(pairs),
+                         static_cast<int>(n_experts), kExactTileRows, sorted, tile_expert, tile_first, tile_count,
+                         n_tiles, errors, error_bit);
   DSV4_CUDA_TRY_LAUNCH();
   out.n_tiles = n_tiles;
   out.tile_expert = tile_expert;

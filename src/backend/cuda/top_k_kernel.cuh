@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_kernels.cuh"
+#include "backend/cuda/dependent_launch.cuh"
 
 namespace dsv4::cuda::attn {
 
@@ -179,6 +180,7 @@ __device__ __forceinline__ int visible_scores(const TopKKernelArgs& p, int r) {
 // promised (the chunks do not cover it) is selected in one phase from global memory.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) top_k_kernel(const TopKKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   extern __shared__ uint32_t staged[];
   __shared__ TopKShared<THREADS / 32> sh;
   const int r = blockIdx.x, tid = threadIdx.x;
@@ -210,6 +212,7 @@ __global__ void __launch_bounds__(THREADS) top_k_kernel(const TopKKernelArgs p) 
 // ascending indices, -1 padded, to cand[r][c].
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) top_k_chunk_kernel(const TopKKernelArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
   extern __shared__ uint32_t staged[];
   __shared__ TopKShared<THREADS / 32> sh;
   const int r = blockIdx.x, c = blockIdx.y, tid = threadIdx.x;
