@@ -285,6 +285,16 @@ class Backend {
                         const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps,
                         float norm_eps, const Tensor& x, const Tensor& post,
                         const Tensor& comb) = 0;
+  // hc_pre, then the sublayer's RMSNorm of its output: normed = rms_norm(x, norm_weight,
+  // norm_eps, D) (F32 [S, D]), what every block computes before attention and the MoE. The
+  // results of the two calls (this default); a backend may do both in one kernel.
+  virtual Status hc_pre_norm(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
+                             const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps,
+                             float norm_eps, const Tensor& norm_weight, const Tensor& x,
+                             const Tensor& post, const Tensor& comb, const Tensor& normed) {
+    DSV4_TRY(hc_pre(streams, mixes, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps, x, post, comb));
+    return rms_norm(x, &norm_weight, norm_eps, x.cols(), normed);
+  }
   // mHC expand (spec §2.4), in place on streams: X'[k] = post_k y + sum_j comb[j,k] X[j].
   virtual Status hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc,
                          const Tensor& streams) = 0;

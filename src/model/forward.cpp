@@ -59,7 +59,8 @@ Result<Tensor> ForwardPass::embed(const Tensor& table, const Step& step) const {
   return streams;
 }
 
-Result<ForwardPass::HcMix> ForwardPass::hc_pre(const HcSite& site, const Tensor& streams) const {
+Result<ForwardPass::HcMix> ForwardPass::hc_pre(const HcSite& site, const Tensor& streams,
+                                               const Tensor* norm) const {
   const int64_t n = streams.rows(), hc = c.hc_mult;
   DSV4_ASSIGN_OR_RETURN(Tensor mixes, f32({n, static_cast<int64_t>(c.hc_dim())}));
   DSV4_TRY(be.matmul(site.fn, streams, mixes, fp32_mode()));  // fp32 (§2.3)
@@ -67,8 +68,14 @@ Result<ForwardPass::HcMix> ForwardPass::hc_pre(const HcSite& site, const Tensor&
   DSV4_ASSIGN_OR_RETURN(mix.x, f32({n, static_cast<int64_t>(c.hidden)}));
   DSV4_ASSIGN_OR_RETURN(mix.post, f32({n, hc}));
   DSV4_ASSIGN_OR_RETURN(mix.comb, f32({n, hc * hc}));
-  DSV4_TRY(be.hc_pre(streams, mixes, site.scale, site.base, c.hc_mult, c.hc_sinkhorn_iters,
-                     c.hc_eps, c.rms_eps, mix.x, mix.post, mix.comb));
+  if (norm == nullptr) {
+    DSV4_TRY(be.hc_pre(streams, mixes, site.scale, site.base, c.hc_mult, c.hc_sinkhorn_iters,
+                       c.hc_eps, c.rms_eps, mix.x, mix.post, mix.comb));
+    return mix;
+  }
+  DSV4_ASSIGN_OR_RETURN(mix.normed, f32({n, static_cast<int64_t>(c.hidden)}));
+  DSV4_TRY(be.hc_pre_norm(streams, mixes, site.scale, site.base, c.hc_mult, c.hc_sinkhorn_iters,
+                          c.hc_eps, c.rms_eps, *norm, mix.x, mix.post, mix.comb, mix.normed));
   return mix;
 }
 
@@ -87,17 +94,15 @@ Status ForwardPass::block(const LayerPlan& layer, const Tensor& streams, const S
     ~Scope() { be.scratch_release(mark); }
   } scope{be, be.scratch_mark()};
 
-  DSV4_ASSIGN_OR_RETURN(HcMix attn_mix, hc_pre(bw.hc_attn, streams));
-  DSV4_ASSIGN_OR_RETURN(Tensor attn_in, f32({n, d}));
-  DSV4_TRY(be.rms_norm(attn_mix.x, &bw.attn_norm, c.rms_eps, d, attn_in));
+  DSV4_ASSIGN_OR_RETURN(HcMix attn_mix, hc_pre(bw.hc_attn, streams, &bw.attn_norm));
+  const Tensor& attn_in = attn_mix.normed;
   DSV4_TRY(note(b, "attn_in", attn_in));
   DSV4_ASSIGN_OR_RETURN(Tensor attn_out, attention(layer, attn_in, step));
   DSV4_TRY(note(b, "attn_out", attn_out));
   DSV4_TRY(hc_post(attn_out, attn_mix, streams));
 
-  DSV4_ASSIGN_OR_RETURN(HcMix ffn_mix, hc_pre(bw.hc_ffn, streams));
-  DSV4_ASSIGN_OR_RETURN(Tensor ffn_in, f32({n, d}));
-  DSV4_TRY(be.rms_norm(ffn_mix.x, &bw.ffn_norm, c.rms_eps, d, ffn_in));
+  DSV4_ASSIGN_OR_RETURN(HcMix ffn_mix, hc_pre(bw.hc_ffn, streams, &bw.ffn_norm));
+  const Tensor& ffn_in = ffn_mix.normed;
   DSV4_ASSIGN_OR_RETURN(Tensor ffn_out, moe(layer, ffn_in, step));
   DSV4_TRY(note(b, "ffn_out", ffn_out));
   DSV4_TRY(steer(b, SteerHook::FfnOut, ffn_out, step));

@@ -68,8 +68,10 @@ struct ForwardPass {
   // §2.5: one decoder block (trunk or MTP), updating streams in place.
   Status block(const LayerPlan& layer, const backend::Tensor& streams, const Step& step) const;
   // §2.3 / §2.4: the mHC collapse and expansion around a sublayer.
-  struct HcMix { backend::Tensor x, post, comb; };
-  Result<HcMix> hc_pre(const HcSite& site, const backend::Tensor& streams) const;
+  // x: the collapsed input; normed: rms_norm(x, *norm) when hc_pre was given a norm.
+  struct HcMix { backend::Tensor x, post, comb, normed; };
+  Result<HcMix> hc_pre(const HcSite& site, const backend::Tensor& streams,
+                       const backend::Tensor* norm = nullptr) const;
   Status hc_post(const backend::Tensor& y, const HcMix& mix, const backend::Tensor& streams) const;
   // §2.6 + §5: hyper head, final norm and logits.
   Result<backend::Tensor> head(const HcSite& hc, const backend::Tensor& norm,

@@ -237,6 +237,24 @@ TEST_F(CpuOps, HcPreSinkhornAndCollapse) {
   expect_close(read(x), want_x, 1e-5, "collapsed x");
   expect_close(read(post), want_post, 1e-5, "post");
   expect_close(read(comb), want_comb, 1e-5, "comb");
+  // hc_pre_norm: the same x, post and comb, and x's RMSNorm with the sublayer's weight.
+  const auto norm = randn(d);
+  Tensor x2 = poisoned({n, d}), post2 = poisoned({n, n_hc}), comb2 = poisoned({n, n_hc * n_hc}),
+         normed = poisoned({n, d});
+  ASSERT_TRUE(be_.hc_pre_norm(f32({n, n_hc * d}, streams), f32({n, n_mix}, mixes), f32({3}, scale),
+                              f32({n_mix}, base), n_hc, iters, eps, norm_eps, f32({d}, norm), x2, post2, comb2,
+                              normed).is_ok());
+  EXPECT_EQ(read(x2), read(x));
+  EXPECT_EQ(read(post2), read(post));
+  EXPECT_EQ(read(comb2), read(comb));
+  const auto xs = read(x);
+  std::vector<double> want_normed(n * d);
+  for (int64_t s = 0; s < n; ++s) {
+    double ss = 0;
+    for (int64_t i = 0; i < d; ++i) ss += double(xs[s * d + i]) * xs[s * d + i];
+    for (int64_t i = 0; i < d; ++i) want_normed[s * d + i] = xs[s * d + i] / std::sqrt(ss / d + norm_eps) * norm[i];
+  }
+  expect_close(read(normed), want_normed, 1e-5, "hc_pre_norm normed");
   // hc_post: X'[k] = post_k y + sum_j comb[j, k] X[j] (source j, destination k).
   const auto y = randn(n * d);
   Tensor X = f32({n, n_hc * d}, streams);

@@ -8,6 +8,7 @@
 // Quantized products.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/mmq.h"
@@ -493,6 +494,46 @@ TEST_F(CudaBackendOps, HyperConnections) {
   ASSERT_TRUE(cpu_->hc_head(streams.cpu, head_mix.cpu, head_scale.cpu, head_base.cpu, hc, 1e-6f, 1e-6f, h.cpu).is_ok());
   ASSERT_TRUE(gpu_->hc_head(streams.gpu, head_mix.gpu, head_scale.gpu, head_base.gpu, hc, 1e-6f, 1e-6f, h.gpu).is_ok());
   expect_rows_close(fetch<float>(*gpu_, h.gpu), fetch<float>(*cpu_, h.cpu), n, d, 1e-6, "hc_head" + shape);
+}
+
+// hc_pre_norm (the collapse and the sublayer's RMSNorm in one kernel) against the CPU's hc_pre
+// then rms_norm; its x, post and comb the bits of the GPU's hc_pre, and at the model's width
+// (4096: rms_norm_kernel's block is as wide as hc_pre's) its normed row the bits of the GPU's
+// rms_norm of that x.
+TEST_F(CudaBackendOps, HyperConnectionsWithTheSublayerNorm) {
+  const uint64_t seed = seed_for(950);
+  std::mt19937_64 rng(seed);
+  const int hc = 4, iters = 20, n_mix = (2 + hc) * hc;
+  for (const auto& [n, d] : std::vector<std::pair<int64_t, int64_t>>{{5, 256}, {3, 4096}, {1, 4096}}) {
+    const std::string shape = " streams " + shape_text(n, hc * d) + " seed " + std::to_string(seed);
+    const Both streams = f32({n, hc * d}, normal(n * hc * d, rng));
+    const Both mixes = f32({n, n_mix}, normal(n * n_mix, rng, 3.0f));
+    const Both scale = f32({3}, {0.7f, 1.3f, 0.9f});
+    const Both base = f32({n_mix}, normal(n_mix, rng, 0.5f));
+    const Both norm = f32({d}, normal(d, rng, 0.3f));
+    const auto nan_rows = [&](int64_t cols) { return f32({n, cols}, std::vector<float>(n * cols, NAN)); };
+    const Both x = nan_rows(d), post = nan_rows(hc), comb = nan_rows(hc * hc), normed = nan_rows(d);
+    const Both x1 = nan_rows(d), post1 = nan_rows(hc), comb1 = nan_rows(hc * hc), normed1 = nan_rows(d);
+    ASSERT_TRUE(cpu_->hc_pre_norm(streams.cpu, mixes.cpu, scale.cpu, base.cpu, hc, iters, 1e-6f, 1e-6f, norm.cpu,
+                                  x.cpu, post.cpu, comb.cpu, normed.cpu).is_ok());
+    ASSERT_TRUE(gpu_->hc_pre_norm(streams.gpu, mixes.gpu, scale.gpu, base.gpu, hc, iters, 1e-6f, 1e-6f, norm.gpu,
+                                  x.gpu, post.gpu, comb.gpu, normed.gpu).is_ok());
+    ASSERT_TRUE(gpu_->hc_pre(streams.gpu, mixes.gpu, scale.gpu, base.gpu, hc, iters, 1e-6f, 1e-6f, x1.gpu, post1.gpu,
+                             comb1.gpu).is_ok());
+    ASSERT_TRUE(gpu_->rms_norm(x1.gpu, &norm.gpu, 1e-6f, d, normed1.gpu).is_ok());
+    for (const auto& [fused, alone, cpu, cols, what] :
+         std::vector<std::tuple<const Both*, const Both*, const Both*, int64_t, const char*>>{
+             {&x, &x1, &x, d, "x"}, {&post, &post1, &post, hc, "post"}, {&comb, &comb1, &comb, hc * hc, "comb"}}) {
+      const auto got = fetch<float>(*gpu_, fused->gpu);
+      expect_identical(got, fetch<float>(*gpu_, alone->gpu), std::string("hc_pre_norm ") + what + " vs hc_pre" + shape);
+      expect_rows_close(got, fetch<float>(*cpu_, cpu->cpu), n, cols, 1e-6, std::string("hc_pre_norm ") + what + shape);
+    }
+    const auto got = fetch<float>(*gpu_, normed.gpu);
+    expect_rows_close(got, fetch<float>(*cpu_, normed.cpu), n, d, 1e-6, "hc_pre_norm normed" + shape);
+    if (d == 4096) expect_identical(got, fetch<float>(*gpu_, normed1.gpu), "hc_pre_norm normed vs rms_norm" + shape);
+    gpu_->begin_step();
+    cpu_->begin_step();
+  }
 }
 
 TEST_F(CudaBackendOps, HadamardAndQatRoundingsAreBitIdentical) {

@@ -304,13 +304,17 @@ __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float
 // (the collapse needs only pre, which needs only the RMS scale); otherwise the whole block
 // runs the split first. A decode step has one row, so the loads are unrolled and the block is
 // wide: 256 threads walked the 16384 values in dependent rounds (issue 10's profile: 40 us).
+// With norm_w, the block then applies the sublayer's RMSNorm to its x (hc_pre_norm) as
+// rms_norm_kernel does (the same double sum where that kernel's block is also kHcThreads
+// wide: rows of 4096), saving a launch per block and sublayer.
 constexpr int kHcThreads = 1024;
 
 __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, Mat<float> mixes,
                                                             const float* __restrict__ scale,
                                                             const float* __restrict__ base, int n_hc, int iters,
                                                             float hc_eps, float norm_eps, int64_t width, Mat<float> x,
-                                                            Mat<float> post, Mat<float> comb) {
+                                                            Mat<float> post, Mat<float> comb,
+                                                            const float* __restrict__ norm_w, Mat<float> normed) {
   ::dsv4::cuda::dependent_kernel_prologue();
   __shared__ float pre[kMaxHc];
   const int64_t s = blockIdx.x;
@@ -333,11 +337,19 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
     } else {
       for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
     }
-    return;
+  } else {
+    hc_split_sinkhorn_block(m, rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
   }
-  hc_split_sinkhorn_block(m, rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+  if (norm_w == nullptr) return;  // uniform over the grid
+  __syncthreads();                // every x value written (the block's own global writes)
+  double sx = 0.0;
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) sx += static_cast<double>(xr[i]) * xr[i];
+  const float r = ref::inverse_rms(block_sum(sx), width, norm_eps);
+  float* yr = normed.row(s);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) yr[i] = __fmul_rn(__fmul_rn(xr[i], r), norm_w[i]);
 }
 
 // X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
@@ -1123,6 +1135,21 @@ Status CudaBackend::scale(const Tensor& x, float factor) {
 Status CudaBackend::hc_pre(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base,
                            int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& x,
                            const Tensor& post, const Tensor& comb) {
+  return hc_pre_launch(streams, mixes, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps, nullptr, x, post, comb,
+                       nullptr);
+}
+
+Status CudaBackend::hc_pre_norm(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base,
+                                int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& norm_weight,
+                                const Tensor& x, const Tensor& post, const Tensor& comb, const Tensor& normed) {
+  return hc_pre_launch(streams, mixes, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps, &norm_weight, x, post,
+                       comb, &normed);
+}
+
+Status CudaBackend::hc_pre_launch(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base,
+                                  int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps,
+                                  const Tensor* norm_weight, const Tensor& x, const Tensor& post, const Tensor& comb,
+                                  const Tensor* normed) {
   if (n_hc < 1 || n_hc > kMaxHc) return Status::errorf("hc_pre: {} streams, supported 1..{}", n_hc, kMaxHc);
   DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_pre", "streams", -1, -1));
   const int64_t n = sv.rows, width = sv.cols / n_hc, n_mix = (2 + n_hc) * n_hc;
@@ -1133,9 +1160,16 @@ Status CudaBackend::hc_pre(const Tensor& streams, const Tensor& mixes, const Ten
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "hc_pre", "x", n, width));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> pv, cudaops::f32(post, this, "hc_pre", "post", n, n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_pre", "comb", n, n_hc * n_hc));
+  const float* nw = nullptr;
+  Mat<float> yv{};
+  if (norm_weight != nullptr) {
+    DSV4_ASSIGN_OR_RETURN(const Mat<float> wv, cudaops::f32(*norm_weight, this, "hc_pre_norm", "norm_weight", -1, width));
+    DSV4_ASSIGN_OR_RETURN(yv, cudaops::f32(*normed, this, "hc_pre_norm", "normed", n, width));
+    nw = wv.p;
+  }
   if (n == 0) return Status::ok();
   cuda::launch_dependent(hc_pre_kernel, static_cast<unsigned>(n), kHcThreads, 0, impl_->stream, sv, mv, scv.p, bv.p,
-                         n_hc, sinkhorn_iters, hc_eps, norm_eps, width, xv, pv, cv);
+                         n_hc, sinkhorn_iters, hc_eps, norm_eps, width, xv, pv, cv, nw, yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

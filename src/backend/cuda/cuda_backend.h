@@ -88,6 +88,9 @@ class CudaBackend final : public Backend {
   Status hc_pre(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
                 const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps,
                 const Tensor& x, const Tensor& post, const Tensor& comb) override;
+  Status hc_pre_norm(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base, int n_hc,
+                     int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& norm_weight, const Tensor& x,
+                     const Tensor& post, const Tensor& comb, const Tensor& normed) override;
   Status hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc,
                  const Tensor& streams) override;
   Status hc_head(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
@@ -155,6 +158,10 @@ class CudaBackend final : public Backend {
 
  private:
   explicit CudaBackend(std::unique_ptr<Impl> impl);
+  // hc_pre, and hc_pre_norm when norm_weight is given.
+  Status hc_pre_launch(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base, int n_hc,
+                       int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor* norm_weight, const Tensor& x,
+                       const Tensor& post, const Tensor& comb, const Tensor* normed);
   std::unique_ptr<Impl> impl_;
 };
 

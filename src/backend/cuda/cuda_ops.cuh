@@ -71,11 +71,14 @@ inline unsigned grid_for(int64_t count, int threads = 256) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
 // Row-tiled element-wise kernels: blockIdx.x walks the rows, blockIdx.y tiles of
-// kRowTileCols columns, kRowTileThreads threads a tile (kRowTileCols / kRowTileThreads
-// independent loads each). A flat grid-stride index needed a 64-bit division and modulo per
-// element to find its row, and those divisions, not memory, set the time of a prefill
-// chunk's conversions, additions and mHC expansions (issue 10's profile).
-constexpr int kRowTileThreads = 256, kRowTileCols = 1024;
+// kRowTileCols columns, one column per thread. A flat grid-stride index needed a 64-bit
+// division and modulo per element to find its row, and those divisions, not memory, set the
+// time of a prefill chunk's conversions, additions and mHC expansions (issue 10's profile).
+// One column per thread, not several: a decode row (4096 columns) then still spreads over 16
+// blocks, and kernels that update in place (hc_post, RoPE, add) cannot overlap the steps of
+// one thread, whose stores may alias its next loads (four per thread took hc_post from 4.1
+// to 10.5 us a decode row, tenth run).
+constexpr int kRowTileThreads = 256, kRowTileCols = kRowTileThreads;
 inline dim3 row_tile_grid(int64_t rows, int64_t cols) {
   const int64_t tiles = (cols + kRowTileCols - 1) / kRowTileCols;
   return dim3(static_cast<unsigned>(std::clamp<int64_t>(rows, 1, INT32_MAX)),
@@ -84,10 +87,7 @@ inline dim3 row_tile_grid(int64_t rows, int64_t cols) {
 
 #define DSV4_ROW_TILE(r, c, rows, cols)                                                                   \
   for (int64_t r = blockIdx.x; r < (rows); r += gridDim.x)                                               \
-    for (int64_t c##_tile = static_cast<int64_t>(blockIdx.y) * ::dsv4::backend::cudaops::kRowTileCols; \
-         c##_tile < (cols); c##_tile += static_cast<int64_t>(gridDim.y) * ::dsv4::backend::cudaops::kRowTileCols) \
-      _Pragma("unroll") for (int c##_j = 0; c##_j < ::dsv4::backend::cudaops::kRowTileCols;              \
-                              c##_j += ::dsv4::backend::cudaops::kRowTileThreads)                        \
-        if (const int64_t c = c##_tile + c##_j + threadIdx.x; c < (cols))
+    for (int64_t c = static_cast<int64_t>(blockIdx.y) * ::dsv4::backend::cudaops::kRowTileCols + threadIdx.x; \
+         c < (cols); c += static_cast<int64_t>(gridDim.y) * ::dsv4::backend::cudaops::kRowTileCols)
 
 }  // namespace dsv4::backend::cudaops
