@@ -70,24 +70,34 @@ inline unsigned grid_for(int64_t count, int threads = 256) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (count); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
-// Row-tiled element-wise kernels: blockIdx.x walks the rows, blockIdx.y tiles of
-// kRowTileCols columns, one column per thread. A flat grid-stride index needed a 64-bit
-// division and modulo per element to find its row, and those divisions, not memory, set the
-// time of a prefill chunk's conversions, additions and mHC expansions (issue 10's profile).
-// One column per thread, not several: a decode row (4096 columns) then still spreads over 16
-// blocks, and kernels that update in place (hc_post, RoPE, add) cannot overlap the steps of
-// one thread, whose stores may alias its next loads (four per thread took hc_post from 4.1
-// to 10.5 us a decode row, tenth run).
-constexpr int kRowTileThreads = 256, kRowTileCols = kRowTileThreads;
+// Row-tiled element-wise kernels: blockIdx.x walks the rows, blockIdx.y tiles of columns,
+// kRowTileThreads threads a tile. A flat grid-stride index needed a 64-bit division and modulo
+// per element to find its row, and those divisions, not memory, set the time of a prefill
+// chunk's conversions, additions and mHC expansions (issue 10's profile). A tile is one column
+// per thread for a few rows (a decode row of 4096 columns spreads over 16 blocks; four columns
+// a thread took hc_post from 4.1 to 10.5 us there, its in-place stores keeping one thread's
+// steps apart), four from kRowTileWideFrom rows on (prefill: a quarter of the blocks). The
+// kernel derives the tile's width from gridDim.y, one division per thread.
+constexpr int kRowTileThreads = 256;
+constexpr int64_t kRowTileWideFrom = 64;
 inline dim3 row_tile_grid(int64_t rows, int64_t cols) {
-  const int64_t tiles = (cols + kRowTileCols - 1) / kRowTileCols;
+  const int64_t width = (rows >= kRowTileWideFrom ? 4 : 1) * kRowTileThreads;
+  const int64_t tiles = (cols + width - 1) / width;
   return dim3(static_cast<unsigned>(std::clamp<int64_t>(rows, 1, INT32_MAX)),
               static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, 65535)), 1);
 }
 
-#define DSV4_ROW_TILE(r, c, rows, cols)                                                                   \
-  for (int64_t r = blockIdx.x; r < (rows); r += gridDim.x)                                               \
-    for (int64_t c = static_cast<int64_t>(blockIdx.y) * ::dsv4::backend::cudaops::kRowTileCols + threadIdx.x; \
-         c < (cols); c += static_cast<int64_t>(gridDim.y) * ::dsv4::backend::cudaops::kRowTileCols)
+// Columns of the tile blockIdx.y of gridDim.y tiles over `cols` (a multiple of blockDim.x wide).
+__device__ __forceinline__ int64_t row_tile_width(int64_t cols) {
+  const int64_t per_tile = (cols + gridDim.y - 1) / gridDim.y;
+  return (per_tile + blockDim.x - 1) / blockDim.x * blockDim.x;
+}
+
+#define DSV4_ROW_TILE(r, c, rows, cols)                                                                     \
+  for (int64_t c##_width = ::dsv4::backend::cudaops::row_tile_width(cols),                                 \
+               c##_end = ::std::min<int64_t>((cols), (blockIdx.y + 1) * c##_width),                        \
+               r = blockIdx.x;                                                                              \
+       r < (rows); r += gridDim.x)                                                                          \
+    for (int64_t c = blockIdx.y * c##_width + threadIdx.x; c < c##_end; c += blockDim.x)
 
 }  // namespace dsv4::backend::cudaops
