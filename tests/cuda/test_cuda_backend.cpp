@@ -10,6 +10,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "backend/cuda/float32_rows.h"
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/mmq.h"
 #include "backend/cuda/moe_wgmma.h"
@@ -289,6 +290,58 @@ TEST_F(CudaMatmul, Float32ModeManyRowsAgainstExact) {
   }
 }
 
+// Float32 with F32, BF16 or Q8_0 weights and a few rows (the mixes, router, compressors):
+// float32_rows.h's kernel, within 1e-5 of the CPU's exact product per row, each row the same
+// bits alone and among others, in both kernel choices (1-64 rows); a k it cannot take (F32: not a multiple of 4) runs the staged exact kernel
+// (bit-identical to the CPU). k = 16384 / 4096: the model's; 96 and 160: one warp a row.
+TEST_F(CudaMatmul, Float32FewRowsOfF32Bf16Q8Weights) {
+  const KernelChoice saved = kernel_choice();
+  for (const bool invariant : {false, true}) {
+    KernelChoice choice = saved;
+    choice.batch_invariant = invariant;
+    set_kernel_choice(choice);
+    for (const auto& [type, k] : std::vector<std::pair<GgmlType, int64_t>>{{GgmlType::F32, 16384},
+                                                                           {GgmlType::F32, 1000},
+                                                                           {GgmlType::F32, 1001},
+                                                                           {GgmlType::BF16, 4096},
+                                                                           {GgmlType::BF16, 160},
+                                                                           {GgmlType::Q8_0, 4096},
+                                                                           {GgmlType::Q8_0, 96}}) {
+      const int64_t m = invariant ? cuda::kFloat32RowsMax : 8, n = 24;
+      const uint64_t seed =
+          seed_for(1300 + static_cast<uint64_t>(type) * 20000 + static_cast<uint64_t>(k) + (invariant ? 1 : 0));
+      std::mt19937_64 rng(seed);
+      const std::string what = std::string("matmul float32 ") + type_name(type) + " w " + shape_text(n, k) + " x " +
+                               shape_text(m, k) + (invariant ? " (batch-invariant)" : "") + " seed " +
+                               std::to_string(seed);
+      Product p = setup(type, n, k, m, rng);
+      p.x = f32({m, k + 8}, normal(m * (k + 8), rng)).columns(4, k);  // rows 16-byte aligned where k allows
+      const auto want = reference(p);
+      ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, MatmulMode::Float32).is_ok()) << what;
+      const auto all = fetch<float>(*gpu_, p.y.gpu);
+      expect_rows_close(all, want, m, n, kExactBound, what);
+      if (type == GgmlType::F32 && k % 4 != 0) expect_identical(all, want, what + " (the staged exact kernel)");
+      for (const auto& [first, count] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {m - 1, 1}, {2, 3}}) {
+        auto ys = gpu_->alloc(GgmlType::F32, dims({count, n}));
+        ASSERT_TRUE(ys.is_ok());
+        ASSERT_TRUE(gpu_->fill(*ys, NAN).is_ok());
+        ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.slice(first, count).gpu, *ys, MatmulMode::Float32).is_ok());
+        expect_identical(fetch<float>(*gpu_, *ys),
+                         std::vector<float>(all.begin() + first * n, all.begin() + (first + count) * n),
+                         what + ": rows " + std::to_string(first) + ".." + std::to_string(first + count - 1) +
+                             " alone vs among " + std::to_string(m));
+      }
+      // The same call again: the same bits.
+      poison(p.y);
+      ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, MatmulMode::Float32).is_ok());
+      expect_identical(fetch<float>(*gpu_, p.y.gpu), all, what + ": run twice");
+      gpu_->begin_step();
+      cpu_->begin_step();
+    }
+  }
+  set_kernel_choice(saved);
+}
+
 // The same row alone, among 4 and among 130 gives the same bits (tiles of 1, 4 and 16 rows).
 TEST_F(CudaMatmul, ExactIsBatchInvariant) {
   const uint64_t seed = seed_for(400);
@@ -504,7 +557,8 @@ TEST_F(CudaBackendOps, HyperConnectionsWithTheSublayerNorm) {
   const uint64_t seed = seed_for(950);
   std::mt19937_64 rng(seed);
   const int hc = 4, iters = 20, n_mix = (2 + hc) * hc;
-  for (const auto& [n, d] : std::vector<std::pair<int64_t, int64_t>>{{5, 256}, {3, 4096}, {1, 4096}}) {
+  // 70 rows: the two-kernel path of prefill.
+  for (const auto& [n, d] : std::vector<std::pair<int64_t, int64_t>>{{5, 256}, {3, 4096}, {1, 4096}, {70, 512}}) {
     const std::string shape = " streams " + shape_text(n, hc * d) + " seed " + std::to_string(seed);
     const Both streams = f32({n, hc * d}, normal(n * hc * d, rng));
     const Both mixes = f32({n, n_mix}, normal(n * n_mix, rng, 3.0f));

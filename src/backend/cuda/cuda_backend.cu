@@ -27,6 +27,7 @@
 #include "backend/cuda/device_info.h"
 #include "backend/cuda/exact_decode.cuh"
 #include "backend/cuda/exact_gemm.h"
+#include "backend/cuda/float32_rows.h"
 #include "backend/cuda/gemm_prefill.h"
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/mmq.h"
@@ -308,6 +309,7 @@ __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float
 // rms_norm_kernel does (the same double sum where that kernel's block is also kHcThreads
 // wide: rows of 4096), saving a launch per block and sublayer.
 constexpr int kHcThreads = 1024;
+constexpr int64_t kHcPreNormFusedMaxRows = 64;  // decode steps (hc_pre_norm)
 
 __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, Mat<float> mixes,
                                                             const float* __restrict__ scale,
@@ -320,7 +322,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
   double ss = 0.0;
-#pragma unroll 4
+#pragma unroll 16  // V4: 16 values a thread, all loads in flight (the sum's order is the loop's)
   for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
   const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
   const float* m = mixes.row(s);
@@ -375,7 +377,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams,
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
   double ss = 0.0;
-#pragma unroll 4
+#pragma unroll 16  // V4: 16 values a thread, all loads in flight (the sum's order is the loop's)
   for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
   const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
   if (threadIdx.x < n_hc) {
@@ -1010,6 +1012,12 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
     // The chunk buffer may have to grow (a synchronisation), which a graph cannot hold.
     if (capture == cudaStreamCaptureStatusNone) return f32_gemm_product(m, wm, xv, yv);
   }
+  // Float32 on a few rows of F32, BF16 or Q8_0 weights (decode's mixes, router, compressors):
+  // float32_rows.h.
+  if (mode == MatmulMode::Float32 && xv.rows <= cuda::kFloat32RowsMax &&
+      cuda::float32_rows_applies(w.type, w.data, w.row_stride(), n_in, xv.p, xv.ld))
+    return cuda::float32_rows_matmul(w.type, w.data, w.row_stride(), n_out, n_in, xv.p, xv.ld, xv.rows, yv.p, yv.ld,
+                                     m.stream);
   if (!quantized) return exact_product(m, wm, xv, yv);
   if (xv.rows <= cuda::kMatvecMaxRows) return matvec_product(m, wm, xv, yv);
   // 17-64 rows: the int8 tensor-core kernels where they take the type (mmq.h); in
@@ -1142,6 +1150,12 @@ Status CudaBackend::hc_pre(const Tensor& streams, const Tensor& mixes, const Ten
 Status CudaBackend::hc_pre_norm(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base,
                                 int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& norm_weight,
                                 const Tensor& x, const Tensor& post, const Tensor& comb, const Tensor& normed) {
+  // Prefill: two kernels. Fused, the 1024-thread block of each row holds its SM through the
+  // norm's extra reduction (a 4096-token chunk's hc_pre went from 297 to 615 us, tenth run),
+  // while rms_norm_kernel's blocks share the SMs. The same bits either way at width 4096.
+  if (streams.rows() > kHcPreNormFusedMaxRows)
+    return Backend::hc_pre_norm(streams, mixes, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps, norm_weight, x,
+                                post, comb, normed);
   return hc_pre_launch(streams, mixes, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps, &norm_weight, x, post,
                        comb, &normed);
 }
