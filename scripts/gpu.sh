@@ -36,7 +36,8 @@
 #              prefill chunk on a 4-layer cut of the geometry (DSV4_GPU_PROFILE_LAYERS; 4 holds
 #              a window, a CSA and an HCA layer): profile.txt, the kernels by total time
 #              (DSV4_GPU_PROFILE_PARTS: "decode prefill batch" by default; "moe" adds ncu's
-#              sections for the wgmma expert kernels of one 4096-token layer)
+#              sections for the wgmma expert kernels of one 4096-token layer, "decode_detail"
+#              those of a decode step's heaviest small kernels)
 #   upstream   issue 12's check 3: llama.cpp's own converter (convert_hf_to_gguf.py, torch) turns
 #              a synthetic official checkpoint into a trunk and an MTP sidecar, and dsv4 and
 #              llama.cpp's logits on it are compared (tests/llamacpp/upstream_convert.sh; needs
@@ -488,6 +489,18 @@ for k, t in total.most_common(40):
 print(f"{sum(total.values()):10.1f} {sum(count.values()):8d}            all")
 PY
   done
+  # The decode step's heaviest small kernels on the 4-layer cut ("decode_detail"): ncu's
+  # sections for the hyper-connection, attention, expert and one-row product kernels of one
+  # step (throughput against peak, warp stall reasons, occupancy): why a 4096-wide row takes
+  # 20 us where its bytes take 1.
+  if [[ $parts == *" decode_detail "* ]]; then
+    step profile_decode_detail 150 ncu --clock-control none \
+      -k 'regex:hc_pre_kernel|attention_mma_kernel|attention_combine|moe_decode|matvec_row_kernel|float32_rows|rms_norm_kernel|rope_kernel' \
+      --launch-skip 80 --launch-count 40 --section SpeedOfLight --section WarpStateStats --section Occupancy \
+      --section LaunchStats --log-file "$work/ncu_decode_detail.txt" "$bin/dsv4" bench -m "$prof" --backend cuda \
+      --parts decode --depths 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
+    [ -f "$work/ncu_decode_detail.txt" ] && cat "$work/ncu_decode_detail.txt" >>"$work/profile.txt"
+  fi
   # The wgmma expert kernels of one 4096-token layer (cuda_bench_moe): where their time goes
   # (throughput of the SMs, L2 and L1 against peak; warp stall reasons).
   if [[ $parts == *" moe "* ]] && [ -x "$bin/cuda_bench_moe" ]; then
