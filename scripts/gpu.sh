@@ -280,9 +280,9 @@ if has tests; then
   grep -aE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$work/test_cuda.log" | head -40
 fi
 if command -v compute-sanitizer >/dev/null; then
-  memcheck="${DSV4_GPU_MEMCHECK:-Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q3_K:MoeWgmma.*:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:Types/MmqTest.OddShapes*:Types/MmqTest.KSplit*/q8_0:CudaBackendOps.GetRows*:CudaBackendOps.RmsNorm*:CudaBackendOps.HyperConnections*:CudaMatmul.Grouped*:CudaMatmul.Float32FewRows*:CudaBackendOps.Hadamard*:CudaBackendOps.Route*:CudaBackendOps.CopyRows*:CudaAttentionOps.*:Cases/CudaAttention.*tiny_hca:Cases/CudaIndexer.*tiny}"
+  memcheck="${DSV4_GPU_MEMCHECK:-Types/MatvecTest.OddShapes*:Types/MoeTest.*q2_K_q3_K:MoeWgmma.*:Types/MoeTest.*iq2*:Types/PrefillTest.*q2_K:Types/MmqTest.OddShapes*:Types/MmqTest.KSplit*/q8_0:CudaBackendOps.GetRows*:CudaBackendOps.RmsNorm*:CudaBackendOps.HyperConnections*:CudaMatmul.Grouped*:CudaMatmul.Float32FewRows*:CudaBackendOps.Hadamard*:CudaBackendOps.FinishRows*:CudaMatmul.MatmulMany*:CudaBackendAttention.CompressEntries*:CudaBackendOps.Route*:CudaBackendOps.CopyRows*:CudaAttentionOps.*:Cases/CudaAttention.*tiny_hca:Cases/CudaIndexer.*tiny}"
   # Shared-memory hazards of the staged kernels (tensor-core tiles, fused decode experts).
-  racecheck="${DSV4_GPU_RACECHECK:-Types/MmqTest.OddShapes*/q2_K:Types/MmqTest.KSplit*/q3_K:MoeDecode.*:MoeWgmma.*}"
+  racecheck="${DSV4_GPU_RACECHECK:-Types/MmqTest.OddShapes*/q2_K:Types/MmqTest.KSplit*/q3_K:MoeDecode.*:MoeWgmma.*:CudaBackendOps.FinishRows*:CudaBackendAttention.CompressEntries*}"
   if has memcheck; then
     step memcheck check:240 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/test_cuda" --gtest_color=no \
       --gtest_filter="$memcheck"

@@ -185,6 +185,31 @@ struct AttentionKeys {
   bool draft_block = false;
 };
 
+// What finish_rows applies to each `group`-wide group of a row (a head, an entry), in this
+// order: RMSNorm (weighted by norm_weight F32 [group], or unweighted), RoPE of the group's
+// last rope->dims channels at the row's position, the Walsh-Hadamard rotation (scaled by
+// group^-1/2), a QAT rounding. The Q, KV and indexer query paths and the compressed entries
+// (spec §3.1, §3.3, §3.6) are each one such pipeline.
+enum class QatRounding {
+  None,
+  Fp8,  // round_fp8_blocks(x, round_cols, round_block): the group must be the whole row
+  Fp4,  // round_fp4_blocks(x, round_block): round_block divides the group
+};
+struct RowFinish {
+  int64_t group = 0;
+  bool norm = false;
+  const Tensor* norm_weight = nullptr;
+  float eps = 1e-6f;
+  const RopeParams* rope = nullptr;  // absent: no rotation
+  bool hadamard = false;
+  QatRounding round = QatRounding::None;
+  int64_t round_cols = 0;
+  int64_t round_block = 0;
+};
+// Every backend's check of a RowFinish for x (groups divide the row, RoPE dims even and within
+// a group, a power-of-two group for the rotation, the rounding's blocks within the groups).
+Status check_row_finish(const char* op, const Tensor& x, const RowFinish& f);
+
 // Device memory as a device backend reports it (Backend::device_memory).
 struct DeviceMemoryState {
   uint64_t free_bytes = 0;     // free on the device now; 0: host memory (not checked)
@@ -253,6 +278,15 @@ class Backend {
     const int64_t n = w.rows() / groups, k = w.cols();
     for (int64_t g = 0; g < groups; ++g)
       DSV4_TRY(matmul(w.slice(g * n, n), x.columns(g * k, k), y.columns(g * n, n), mode));
+    return Status::ok();
+  }
+  // ys[i] = x W_i^T for every i (products of one input: a layer's compressors and index
+  // weights). The separate calls (this default), or fewer launches with the same results.
+  virtual Status matmul_many(std::span<const Tensor* const> ws, const Tensor& x,
+                             std::span<const Tensor* const> ys, MatmulMode mode) {
+    if (ws.size() != ys.size())
+      return Status::errorf("matmul_many: {} weights for {} outputs", ws.size(), ys.size());
+    for (size_t i = 0; i < ws.size(); ++i) DSV4_TRY(matmul(*ws[i], x, *ys[i], mode));
     return Status::ok();
   }
   // y[s, :] = table[ids[s], :] decoded to F32.
@@ -336,6 +370,14 @@ class Backend {
   virtual Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio,
                           bool overlap, const StepRows& rows, const SlotRows& state_kv,
                           const SlotRows& state_score, const Tensor& pooled) = 0;
+  // compress, then the entry of every row that closes a block: its pooled values through
+  // `finish` with the RoPE at the block's first position (block_positions), stored as
+  // entry position / ratio of its sequence in `dst` (store_entries). What the forward pass
+  // does with every compressor's output; the separate calls (this default), or one kernel.
+  virtual Status compress_entries(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio,
+                                  bool overlap, const StepRows& rows, const SlotRows& state_kv,
+                                  const SlotRows& state_score, const RowFinish& finish,
+                                  const PagedRows& dst);
   // out[r] = positions[r] rounded down to a multiple of `ratio` (the first position of the
   // row's compressor block: where its entry is rotated, spec §3.3).
   virtual Status block_positions(const StepRows& rows, int ratio, const Tensor& out) = 0;
@@ -357,6 +399,10 @@ class Backend {
   virtual Status top_k(const Tensor& scores, int ratio, const StepRows& rows, int k,
                        const Tensor& idx) = 0;
 
+  // In place on x (F32 [n, groups * f.group]): every group of row r through `f` (RowFinish),
+  // RoPE at positions[r] (I32 [n]; unread without RoPE). The separate calls (this default:
+  // rms_norm, rope, hadamard, round_fp8_blocks / round_fp4_blocks), or one kernel.
+  virtual Status finish_rows(const Tensor& x, const Tensor& positions, const RowFinish& f);
   // Walsh-Hadamard rotation of each `width`-wide group of every row, scaled by width^-1/2.
   virtual Status hadamard(const Tensor& x, int64_t width) = 0;
   // QAT: FP8 e4m3 quantise-dequantise of columns [0, cols) in blocks of `block` with

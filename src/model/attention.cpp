@@ -1,6 +1,7 @@
 // Attention (spec §3): the common Q/KV path, the window ring, the compressors, the
 // lightning indexer and the grouped low-rank output, for every row of a step at once.
 #include <cmath>
+#include <vector>
 
 #include "model/forward.h"
 
@@ -23,14 +24,27 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
   DSV4_TRY(be.rms_norm(qr, &bw.q_a_norm, c.rms_eps, qr.cols(), qr));
   DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * hd}));
   DSV4_TRY(be.matmul(bw.q_b, qr, q, opt.matmul));
-  DSV4_TRY(be.rms_norm(q, nullptr, c.rms_eps, hd, q));  // per-head, unweighted
-  DSV4_TRY(be.rope(q, hd, rows.positions, layer.rope, false));
+  backend::RowFinish q_finish;  // per head: unweighted RMSNorm, RoPE
+  q_finish.group = hd;
+  q_finish.norm = true;
+  q_finish.eps = c.rms_eps;
+  q_finish.rope = &layer.rope;
+  DSV4_TRY(be.finish_rows(q, rows.positions, q_finish));
 
   DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, hd}));
   DSV4_TRY(be.matmul(bw.kv, x, kv, opt.matmul));
-  DSV4_TRY(be.rms_norm(kv, &bw.kv_norm, c.rms_eps, hd, kv));
-  DSV4_TRY(be.rope(kv, hd, rows.positions, layer.rope, false));
-  if (opt.qat) DSV4_TRY(be.round_fp8_blocks(kv, c.nope_dims(), 64));
+  backend::RowFinish kv_finish;  // RMSNorm, RoPE, the QAT rounding of the non-rotated dims
+  kv_finish.group = hd;
+  kv_finish.norm = true;
+  kv_finish.norm_weight = &bw.kv_norm;
+  kv_finish.eps = c.rms_eps;
+  kv_finish.rope = &layer.rope;
+  if (opt.qat) {
+    kv_finish.round = backend::QatRounding::Fp8;
+    kv_finish.round_cols = c.nope_dims();
+    kv_finish.round_block = 64;
+  }
+  DSV4_TRY(be.finish_rows(kv, rows.positions, kv_finish));
   DSV4_TRY(note(b, "kv", kv));
 
   backend::AttentionKeys keys;
@@ -38,16 +52,29 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
   keys.ring = cache.ring(layer.ring);
   keys.chunk = kv;
   if (layer.ratio) {
+    // The layer's fp32 products of x (§3.3, §3.6): each compressor's values and scores and
+    // the indexer's head weights, in one call.
+    DSV4_ASSIGN_OR_RETURN(const CompressorInput kv_in, compressor_input(bw.compressor, n));
+    std::vector<const Tensor*> ws{&bw.compressor.kv, &bw.compressor.gate}, ys{&kv_in.kv, &kv_in.score};
+    CompressorInput key_in;
+    Tensor head_weights;
+    if (layer.indexer) {
+      DSV4_ASSIGN_OR_RETURN(key_in, compressor_input(bw.index_compressor, n));
+      DSV4_ASSIGN_OR_RETURN(head_weights, f32({n, static_cast<int64_t>(c.index_heads)}));
+      ws.insert(ws.end(), {&bw.index_compressor.kv, &bw.index_compressor.gate, &bw.index_proj});
+      ys.insert(ys.end(), {&key_in.kv, &key_in.score, &head_weights});
+    }
+    DSV4_TRY(be.matmul_many(ws, x, ys, fp32_mode()));
     // Entries completed by this step join the cache before attention: entry e is visible
     // from position e*ratio + ratio - 1 on, including to that token itself.
     if (layer.indexer)
-      DSV4_TRY(compress(layer, bw.index_compressor, true, layer.key_state, layer.key_list, x, step));
-    DSV4_TRY(compress(layer, bw.compressor, false, layer.kv_state, layer.kv_list, x, step));
+      DSV4_TRY(compress(layer, bw.index_compressor, true, layer.key_state, layer.key_list, key_in, step));
+    DSV4_TRY(compress(layer, bw.compressor, false, layer.kv_state, layer.kv_list, kv_in, step));
     keys.ratio = layer.ratio;
     keys.entries = cache.list(layer.kv_list);
     if (layer.indexer) {
       DSV4_ASSIGN_OR_RETURN(keys.selected, i32({n, static_cast<int64_t>(c.index_topk)}));
-      DSV4_TRY(indexer(layer, x, qr, step, keys.selected));
+      DSV4_TRY(indexer(layer, head_weights, qr, step, keys.selected));
       DSV4_TRY(note(b, "index_topk", keys.selected));
     }
   }
@@ -64,49 +91,78 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
   return out;
 }
 
-// §3.3: C = x Wkv^T, Z = x Wgate^T in fp32, pooled per completed block, then norm, RoPE at
-// the block's first position, and the QAT rounding of the entry kind.
+Result<ForwardPass::CompressorInput> ForwardPass::compressor_input(const CompressorWeights& cw, int64_t n) const {
+  CompressorInput in;
+  DSV4_ASSIGN_OR_RETURN(in.kv, f32({n, cw.kv.rows()}));
+  DSV4_ASSIGN_OR_RETURN(in.score, f32({n, cw.gate.rows()}));
+  return in;
+}
+
+// §3.3: C = x Wkv^T, Z = x Wgate^T (in.kv, in.score, fp32), pooled per completed block, then
+// norm, RoPE at the block's first position, and the QAT rounding of the entry kind.
 Status ForwardPass::compress(const LayerPlan& layer, const CompressorWeights& cw, bool indexer,
-                             int32_t state, int32_t list, const Tensor& x, const Step& step) const {
+                             int32_t state, int32_t list, const CompressorInput& in, const Step& step) const {
   const uint32_t b = layer.block;
   const backend::StepRows& rows = step.rows;
-  const int64_t n = rows.n, wide = cw.kv.rows(), width = cw.norm.cols();
-  DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, wide}));
-  DSV4_ASSIGN_OR_RETURN(Tensor score, f32({n, wide}));
-  DSV4_TRY(be.matmul(cw.kv, x, kv, fp32_mode()));
-  DSV4_TRY(be.matmul(cw.gate, x, score, fp32_mode()));
-  // One pooled row per step row; only the rows that close a block are written (and
-  // stored), the others stay zero and are never read.
+  const int64_t n = rows.n, width = cw.norm.cols();
+  const Tensor& kv = in.kv;
+  const Tensor& score = in.score;
+  // An entry: the pooled row, RMSNorm, RoPE at the block's first position, for the indexer's
+  // keys the Hadamard rotation (in both modes), then the QAT rounding of its kind.
+  backend::RowFinish finish;
+  finish.group = width;
+  finish.norm = true;
+  finish.norm_weight = &cw.norm;
+  finish.eps = c.rms_eps;
+  finish.rope = &layer.rope;
+  finish.hadamard = indexer;
+  backend::RowFinish rounding;  // the rounding alone
+  rounding.group = width;
+  if (opt.qat) {
+    rounding.round = indexer ? backend::QatRounding::Fp4 : backend::QatRounding::Fp8;
+    rounding.round_cols = indexer ? 0 : c.nope_dims();
+    rounding.round_block = indexer ? 32 : 64;
+  }
+  if (!trace) {
+    finish.round = rounding.round;
+    finish.round_cols = rounding.round_cols;
+    finish.round_block = rounding.round_block;
+    return be.compress_entries(kv, score, cw.ape, layer.ratio, layer.overlap, rows, cache.state_kv(state),
+                               cache.state_score(state), finish, cache.list(list));
+  }
+  // Traced: Backend::compress_entries's steps one by one, for the entries before and after
+  // the rounding.
   DSV4_ASSIGN_OR_RETURN(Tensor pooled, f32({n, width}));
   DSV4_TRY(be.fill(pooled, 0.0f));
   DSV4_TRY(be.compress(kv, score, cw.ape, layer.ratio, layer.overlap, rows, cache.state_kv(state),
                        cache.state_score(state), pooled));
-  DSV4_TRY(be.rms_norm(pooled, &cw.norm, c.rms_eps, width, pooled));
   DSV4_ASSIGN_OR_RETURN(Tensor first_pos, i32({n}));
   DSV4_TRY(be.block_positions(rows, layer.ratio, first_pos));
-  DSV4_TRY(be.rope(pooled, width, first_pos, layer.rope, false));
-  if (indexer) DSV4_TRY(be.hadamard(pooled, width));  // in both modes; QAT adds the FP4 rounding
+  DSV4_TRY(be.finish_rows(pooled, first_pos, finish));
   DSV4_TRY(note_entries(b, indexer ? "indexer_kv_prequant" : "compressed_kv_prequant", pooled, layer.ratio, step));
-  if (opt.qat)
-    DSV4_TRY(indexer ? be.round_fp4_blocks(pooled, 32) : be.round_fp8_blocks(pooled, c.nope_dims(), 64));
+  DSV4_TRY(be.finish_rows(pooled, first_pos, rounding));
   DSV4_TRY(note_entries(b, indexer ? "indexer_kv" : "compressed_kv", pooled, layer.ratio, step));
   return be.store_entries(pooled, layer.ratio, rows, cache.list(list));
 }
 
-// §3.6: indexer queries (RoPE, Hadamard, FP4), head weights, scores over each row's visible
-// keys, and the top-k.
-Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& x, const Tensor& qr, const Step& step,
+// §3.6: indexer queries (RoPE, Hadamard, FP4), head weights (x Wproj^T in fp32, given),
+// scores over each row's visible keys, and the top-k.
+Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& weights, const Tensor& qr, const Step& step,
                             const Tensor& idx) const {
   const BlockWeights& bw = w.blocks[layer.block];
   const backend::StepRows& rows = step.rows;
   const int64_t n = rows.n, heads = c.index_heads, dk = c.index_head_dim;
   DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * dk}));
   DSV4_TRY(be.matmul(bw.index_q_b, qr, q, opt.matmul));
-  DSV4_TRY(be.rope(q, dk, rows.positions, layer.rope, false));
-  DSV4_TRY(be.hadamard(q, dk));
-  if (opt.qat) DSV4_TRY(be.round_fp4_blocks(q, 32));
-  DSV4_ASSIGN_OR_RETURN(Tensor weights, f32({n, heads}));
-  DSV4_TRY(be.matmul(bw.index_proj, x, weights, fp32_mode()));
+  backend::RowFinish q_finish;  // per head: RoPE, the Hadamard rotation, the QAT rounding
+  q_finish.group = dk;
+  q_finish.rope = &layer.rope;
+  q_finish.hadamard = true;
+  if (opt.qat) {
+    q_finish.round = backend::QatRounding::Fp4;
+    q_finish.round_block = 32;
+  }
+  DSV4_TRY(be.finish_rows(q, rows.positions, q_finish));
   DSV4_TRY(be.scale(weights, static_cast<float>(1.0 / std::sqrt(double(dk)) / std::sqrt(double(heads)))));
 
   // Scores for as many keys as the furthest row sees; each row's own count is on the device.

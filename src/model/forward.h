@@ -82,12 +82,16 @@ struct ForwardPass {
 
   // §3 (attention.cpp): Q/KV paths, compressed entries, indexer, attention, output.
   Result<backend::Tensor> attention(const LayerPlan& layer, const backend::Tensor& x, const Step& step) const;
-  // §3.3: feeds the step's rows to a compressor and stores the entries they complete
-  // (normed, rotated, QAT-rounded) in the cache list `list`.
+  // §3.3: a compressor's products of the step's rows (values and scores, [n, wide] each).
+  struct CompressorInput { backend::Tensor kv, score; };
+  Result<CompressorInput> compressor_input(const CompressorWeights& cw, int64_t n) const;
+  // §3.3: feeds the step's rows (their products `in`) to a compressor and stores the entries
+  // they complete (normed, rotated, QAT-rounded) in the cache list `list`.
   Status compress(const LayerPlan& layer, const CompressorWeights& cw, bool indexer, int32_t state,
-                  int32_t list, const backend::Tensor& x, const Step& step) const;
-  // §3.6: the lightning indexer's top-k entries per row into idx I32 [n, top-k].
-  Status indexer(const LayerPlan& layer, const backend::Tensor& x, const backend::Tensor& qr,
+                  int32_t list, const CompressorInput& in, const Step& step) const;
+  // §3.6: the lightning indexer's top-k entries per row into idx I32 [n, top-k]; weights:
+  // the head weights x Wproj^T (F32 [n, heads]), scaled here.
+  Status indexer(const LayerPlan& layer, const backend::Tensor& weights, const backend::Tensor& qr,
                  const Step& step, const backend::Tensor& idx) const;
 
   // V4.1 (forward_v41.cpp; shared/spec/deepseek-v41.md). `v41` must be set up by

@@ -882,6 +882,116 @@ TEST_F(CudaBackendAttention, WindowEntriesAndCompressorMatchCpu) {
                        });
 }
 
+// compress_entries (pool, finish and store in one kernel, then the state update): the bits of the
+// GPU's separate launches (Backend::compress_entries), and the CPU's states bit for bit and
+// entries to the exact bound, over steps of one row (decode) and of several blocks, three
+// sequences starting inside blocks, for the model's entry kinds (CSA KV, indexer keys, HCA
+// KV) with and without the QAT roundings.
+TEST_F(CudaBackendAttention, CompressEntriesFusedGivesTheStepsBits) {
+  struct EntryCase {
+    int ratio;
+    bool overlap;
+    int64_t w;
+    bool indexer, qat;
+  };
+  const EntryCase cases[] = {{4, true, 512, false, true},   {4, true, 128, true, true},   {128, false, 512, false, true},
+                             {4, true, 512, false, false}, {16, false, 64, false, false}};
+  backend::RopeParams rope;
+  rope.dims = 64;
+  rope.freq_base = 160000;
+  rope.yarn = true;
+  rope.yarn_factor = 16;
+  rope.yarn_original_context = 65536;
+  int case_no = 0;
+  for (const EntryCase& cc : cases) {
+    const uint64_t seed = seed_for(3500 + case_no++);
+    SCOPED_TRACE("compress_entries ratio " + std::to_string(cc.ratio) + (cc.overlap ? " overlap" : " plain") + " w " +
+                 std::to_string(cc.w) + (cc.indexer ? " indexer" : "") + (cc.qat ? " qat" : "") + ", seed " +
+                 std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    const int o = cc.overlap ? 2 : 1, R = cc.ratio;
+    const int64_t wide = o * cc.w, slots = 5, per_slot = o * R + 4, state_rows = slots * per_slot;
+    const int32_t slot_of[3] = {2, 0, 4};
+    const int64_t start[3] = {0, R + R / 2 + 1, 2 * R - 1}, total = 6 * R + 5;
+    std::vector<float> skv = dsv4::test::random_normal(state_rows * wide, rng);
+    std::vector<float> ssc = dsv4::test::random_normal(state_rows * wide, rng);
+    for (int64_t r = 0; r < per_slot; ++r)  // slot 2 starts at 0: no previous block
+      for (int64_t c = 0; c < wide; ++c) {
+        skv[(slot_of[0] * per_slot + r) * wide + c] = 0.0f;
+        ssc[(slot_of[0] * per_slot + r) * wide + c] = -kInf;
+      }
+    const auto ape = dsv4::test::random_normal(R * wide, rng, 0.5f);
+    const auto norm = dsv4::test::random_normal(cc.w, rng, 0.5f);
+    const HostPaged dst = make_paged(slots, (2 * R + total) / R + 1, cc.w, 8, rng);
+    // Three runs of the same steps: the CPU, the fused GPU kernel, the GPU's separate launches.
+    struct Run {
+      Backend* be;
+      bool fused;
+      SlotRows skv, ssc;
+      PagedRows pages;
+      Tensor ape, norm;
+    };
+    std::vector<Run> runs;
+    for (const auto& [be, fused] : std::vector<std::pair<Backend*, bool>>{{&cpu_, false}, {gpu_.get(), true}, {gpu_.get(), false}}) {
+      const On on{*be};
+      runs.push_back({be, fused, {on.f32({state_rows, wide}, skv), per_slot}, {on.f32({state_rows, wide}, ssc), per_slot},
+                      on.paged(dst), on.f32({R, wide}, ape), on.f32({cc.w}, norm)});
+    }
+    int64_t at[3] = {0, 0, 0};
+    std::uniform_int_distribution<int64_t> len(1, 3 * R + 2);
+    std::uniform_int_distribution<int> coin(0, 2);  // 2 in 3 steps decode (1 in 3 from ratio 128 on)
+    int step_no = 0;
+    while (at[0] < total || at[1] < total || at[2] < total) {
+      std::vector<SeqDesc> seqs;
+      for (int s = 0; s < 3; ++s) {
+        if (at[s] >= total) continue;
+        const bool decode = R < 128 ? coin(rng) != 0 : coin(rng) == 0;
+        const int64_t m = std::min(total - at[s], decode ? int64_t{1} : len(rng));
+        seqs.push_back({slot_of[s], start[s] + at[s], m});
+        at[s] += m;
+      }
+      const HostStep st = make_step(seqs, 1);
+      const auto kvc = dsv4::test::random_normal(st.n * wide, rng), scc = dsv4::test::random_normal(st.n * wide, rng);
+      for (Run& run : runs) {
+        const On on{*run.be};
+        backend::RowFinish f;
+        f.group = cc.w;
+        f.norm = true;
+        f.norm_weight = &run.norm;
+        f.eps = 1e-6f;
+        f.rope = &rope;
+        f.hadamard = cc.indexer;
+        if (cc.qat) {
+          f.round = cc.indexer ? backend::QatRounding::Fp4 : backend::QatRounding::Fp8;
+          f.round_cols = cc.indexer ? 0 : cc.w - 64;
+          f.round_block = cc.indexer ? 32 : 64;
+        }
+        const Tensor kv_t = on.f32({st.n, wide}, kvc), sc_t = on.f32({st.n, wide}, scc);
+        const StepRows rows = on.step(st);
+        const Status status =
+            run.fused ? run.be->compress_entries(kv_t, sc_t, run.ape, R, cc.overlap, rows, run.skv, run.ssc, f, run.pages)
+                      : run.be->Backend::compress_entries(kv_t, sc_t, run.ape, R, cc.overlap, rows, run.skv, run.ssc, f,
+                                                          run.pages);
+        ASSERT_OK(status);
+        run.be->begin_step();
+      }
+      const std::string what = "step " + std::to_string(step_no);
+      const On c{cpu_}, g{*gpu_};
+      const auto pool_c = c.read(runs[0].pages.pool), pool_f = g.read(runs[1].pages.pool),
+                 pool_s = g.read(runs[2].pages.pool);
+      EXPECT_TRUE(identical(pool_f, pool_s, cc.w, "entries fused vs separate launches, " + what));
+      EXPECT_TRUE(rows_close(pool_f, pool_c, cc.w, cc.qat ? 2e-2 : kExactBound, "entries vs cpu, " + what));
+      for (int r = 1; r < 3; ++r) {
+        EXPECT_TRUE(identical(g.read(runs[r].skv.data), c.read(runs[0].skv.data), wide, "state kv, " + what));
+        EXPECT_TRUE(identical(g.read(runs[r].ssc.data), c.read(runs[0].ssc.data), wide, "state score, " + what));
+      }
+      if (::testing::Test::HasFailure()) return;
+      ++step_no;
+    }
+    EXPECT_GE(step_no, 3);
+  }
+}
+
 TEST_F(CudaBackendAttention, IndexerAndTopKMatchCpu) {
   const auto cases = indexer_cases();
   for (size_t i = 0; i < cases.size(); ++i) {

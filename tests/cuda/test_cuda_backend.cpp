@@ -342,6 +342,46 @@ TEST_F(CudaMatmul, Float32FewRowsOfF32Bf16Q8Weights) {
   set_kernel_choice(saved);
 }
 
+// matmul_many (a layer's Float32 products of one x: the compressors' values and scores and the
+// index weights, in one launch): each output the bits of its own matmul, and within 1e-5 of
+// the CPU's exact product; more than 64 rows (cuBLASLt) or weights of two types take the
+// separate calls.
+TEST_F(CudaMatmul, MatmulManyGivesEachProductsBits) {
+  const uint64_t seed = seed_for(760);
+  std::mt19937_64 rng(seed);
+  const int64_t k = 4096;
+  for (int64_t m : {1, 4, 64, 70}) {
+    const std::string what = "matmul_many x " + shape_text(m, k) + " seed " + std::to_string(seed);
+    std::vector<Product> ps;
+    for (int64_t n : {1024, 1024, 256, 256, 64}) ps.push_back(setup(GgmlType::Q8_0, n, k, m, rng));
+    for (Product& p : ps) p.x = ps[0].x;  // one input
+    std::vector<const Tensor*> ws, ys;
+    for (const Product& p : ps) {
+      ws.push_back(&p.w.gpu);
+      ys.push_back(&p.y.gpu);
+    }
+    ASSERT_TRUE(gpu_->matmul_many(ws, ps[0].x.gpu, ys, MatmulMode::Float32).is_ok()) << what;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const auto got = fetch<float>(*gpu_, ps[i].y.gpu);
+      poison(ps[i].y);
+      ASSERT_TRUE(gpu_->matmul(ps[i].w.gpu, ps[i].x.gpu, ps[i].y.gpu, MatmulMode::Float32).is_ok()) << what;
+      expect_identical(got, fetch<float>(*gpu_, ps[i].y.gpu), what + ", matrix " + std::to_string(i) + " vs alone");
+      expect_rows_close(got, reference(ps[i]), m, ps[i].w.cpu.rows(), kExactBound, what + ", matrix " + std::to_string(i));
+    }
+    gpu_->begin_step();
+    cpu_->begin_step();
+  }
+  // Mixed types: the separate calls.
+  const Product a = setup(GgmlType::Q8_0, 96, 512, 3, rng), b = setup(GgmlType::F32, 40, 512, 3, rng);
+  const std::vector<const Tensor*> ws{&a.w.gpu, &b.w.gpu}, ys{&a.y.gpu, &b.y.gpu};
+  ASSERT_TRUE(gpu_->matmul_many(ws, a.x.gpu, ys, MatmulMode::Float32).is_ok());
+  Product b_alone = b;
+  b_alone.x = a.x;
+  expect_rows_close(fetch<float>(*gpu_, b.y.gpu), reference(b_alone), 3, 40, kExactBound, "matmul_many mixed types");
+  const std::vector<const Tensor*> one{&a.y.gpu};
+  EXPECT_FALSE(gpu_->matmul_many(ws, a.x.gpu, one, MatmulMode::Float32).is_ok()) << "two weights, one output";
+}
+
 // The same row alone, among 4 and among 130 gives the same bits (tiles of 1, 4 and 16 rows).
 TEST_F(CudaMatmul, ExactIsBatchInvariant) {
   const uint64_t seed = seed_for(400);
@@ -622,6 +662,112 @@ TEST_F(CudaBackendOps, HadamardAndQatRoundingsAreBitIdentical) {
   ASSERT_TRUE(cpu_->round_fp4_e4m3_blocks(e.cpu, 16).is_ok());
   ASSERT_TRUE(gpu_->round_fp4_e4m3_blocks(e.gpu, 16).is_ok());
   expect_identical(fetch<float>(*gpu_, e.gpu), fetch<float>(*cpu_, e.cpu), "round_fp4_e4m3_blocks blocks of 16");
+}
+
+// finish_rows (RowFinish: RMSNorm, RoPE, Hadamard, QAT rounding of each group in one kernel):
+// the bits of the GPU's separate launches (Backend::finish_rows, the default composition), and
+// the CPU's values, for the model's four pipelines (Q heads, the KV row, indexer heads, entries)
+// and odd ones: a group of 96 values, strided rows, one row (decode) and many.
+TEST_F(CudaBackendOps, FinishRowsFusedGivesTheSeparateLaunchesBits) {
+  const uint64_t seed = seed_for(1010);
+  std::mt19937_64 rng(seed);
+  backend::RopeParams main_rope;  // the window layers' table
+  main_rope.dims = 64;
+  backend::RopeParams yarn = main_rope;  // the compressed layers' (YaRN)
+  yarn.freq_base = 160000;
+  yarn.yarn = true;
+  yarn.yarn_factor = 16;
+  yarn.yarn_original_context = 65536;
+  backend::RopeParams short_rope = main_rope;
+  short_rope.dims = 32;
+  struct Case {
+    const char* name;
+    int64_t group, groups;
+    bool norm, weighted;
+    const backend::RopeParams* rope;
+    bool hadamard;
+    backend::QatRounding round;
+    int64_t round_cols, round_block;
+  };
+  using backend::QatRounding;
+  const Case cases[] = {
+      {"q heads", 512, 8, true, false, &main_rope, false, QatRounding::None, 0, 0},
+      {"kv row", 512, 1, true, true, &yarn, false, QatRounding::Fp8, 448, 64},
+      {"indexer heads", 128, 6, false, false, &yarn, true, QatRounding::Fp4, 0, 32},
+      {"indexer entry", 128, 1, true, true, &yarn, true, QatRounding::Fp4, 0, 32},
+      {"odd group", 96, 3, true, true, &short_rope, false, QatRounding::None, 0, 0},
+      {"norm alone", 4096, 1, true, true, nullptr, false, QatRounding::None, 0, 0},
+  };
+  for (const Case& c : cases) {
+    for (const int64_t n : {int64_t{1}, int64_t{37}}) {
+      const int64_t cols = c.group * c.groups;
+      const std::string what = std::string("finish_rows ") + c.name + " [" + std::to_string(n) + ", " +
+                               std::to_string(cols) + "] seed " + std::to_string(seed);
+      // Scales per row from 1e-3 to 1e3, as activations and entries vary.
+      std::vector<float> v = normal(n * (cols + 8), rng);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; i < cols + 8; ++i) v[r * (cols + 8) + i] *= std::pow(10.0f, static_cast<float>(r % 7) - 3.0f);
+      std::vector<int32_t> pos(n);
+      for (int64_t r = 0; r < n; ++r) pos[r] = static_cast<int32_t>(rng() % 200000);
+      const Both weight = f32({c.group}, normal(c.group, rng, 0.5f));
+      const Both positions = i32({n}, pos);
+      backend::RowFinish f;
+      f.group = c.group;
+      f.norm = c.norm;
+      f.norm_weight = nullptr;
+      f.eps = 1e-6f;
+      f.rope = c.rope;
+      f.hadamard = c.hadamard;
+      f.round = c.round;
+      f.round_cols = c.round_cols;
+      f.round_block = c.round_block;
+      // Rows 8 values apart wider than they are (a strided view), three copies.
+      const Both fused = f32({n, cols + 8}, v).columns(8, cols), steps = f32({n, cols + 8}, v).columns(8, cols),
+                 host = f32({n, cols + 8}, v).columns(8, cols);
+      backend::RowFinish fc = f, fg = f;
+      if (c.weighted) {
+        fc.norm_weight = &weight.cpu;
+        fg.norm_weight = &weight.gpu;
+      }
+      ASSERT_TRUE(gpu_->finish_rows(fused.gpu, positions.gpu, fg).is_ok()) << what;
+      ASSERT_TRUE(gpu_->Backend::finish_rows(steps.gpu, positions.gpu, fg).is_ok()) << what;
+      ASSERT_TRUE(cpu_->finish_rows(host.cpu, positions.cpu, fc).is_ok()) << what;
+      const auto got = fetch<float>(*gpu_, fused.gpu);
+      expect_identical(got, fetch<float>(*gpu_, steps.gpu), what + " fused vs the separate launches");
+      // The roundings move a value by a step of its block's grid where the CPU's norm differs
+      // in the last bit (a near tie): rare, so a looser bound with them.
+      expect_rows_close(got, fetch<float>(*cpu_, host.cpu), n, cols, c.round == QatRounding::None ? 1e-6 : 2e-2,
+                        what + " vs cpu");
+      gpu_->begin_step();
+      cpu_->begin_step();
+    }
+  }
+  // What a kernel cannot do is an error naming it, before anything runs.
+  const Both x = f32({2, 256}, normal(512, rng));
+  const Both positions = i32({2}, {0, 1});
+  backend::RowFinish bad;
+  bad.group = 256;
+  bad.rope = &main_rope;
+  bad.round = backend::QatRounding::Fp8;  // two groups of 128 cannot share a row's FP8 blocks
+  bad.round_cols = 128;
+  bad.round_block = 64;
+  bad.group = 128;
+  Status st = gpu_->finish_rows(x.gpu, positions.gpu, bad);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("FP8"), std::string::npos) << st.message();
+  bad.round = backend::QatRounding::None;
+  bad.group = 96 * 2;  // does not divide 256
+  st = gpu_->finish_rows(x.gpu, positions.gpu, bad);
+  EXPECT_FALSE(st.is_ok());
+  bad.group = 256;
+  bad.hadamard = true;
+  bad.rope = nullptr;
+  EXPECT_TRUE(gpu_->finish_rows(x.gpu, positions.gpu, bad).is_ok());
+  const Both y = f32({2, 3 * 64}, normal(384, rng));
+  bad.group = 192;  // not a power of two
+  st = gpu_->finish_rows(y.gpu, positions.gpu, bad);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("power of two"), std::string::npos) << st.message();
 }
 
 // V4.1: the delayed mix and collapse, the Engram gate and the candidate mask against the CPU.

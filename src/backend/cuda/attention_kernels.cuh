@@ -11,6 +11,7 @@
 
 #include "backend/cuda/attention_ops.h"
 #include "backend/cuda/dependent_launch.cuh"
+#include "backend/cuda/row_finish.cuh"
 
 namespace dsv4::cuda::attn {
 
@@ -410,71 +411,117 @@ struct CompressKernelArgs {
   StepMeta m;
 };
 
-// Block per row; a row that closes a block (position % ratio == ratio - 1) writes
-// pooled[row][c] = sum_j softmax_j(z_j[c]) v_j[c] over positions pos + 1 - o*R + j, in the
-// CPU's order (max, then the sum of exponentials, then the weighted sum).
+// The pooled value of column c (of w) for the row at position pos of sequence sq, which closes
+// a block: sum_j softmax_j(z_j[c]) v_j[c] over positions pos + 1 - o*R + j, in the CPU's order
+// (max, then the sum of exponentials, then the weighted sum). base: the slot's first state row.
+__device__ inline float pool_column(const CompressArgs& a, const Seq& sq, int64_t pos, int64_t base, int64_t w,
+                                    int64_t c) {
+  const int R = a.ratio, o = a.overlap ? 2 : 1;
+  const int64_t M = a.state_rows;
+  const int64_t first = pos + 1 - int64_t{o} * R;
+  const int slots = o * R;
+  // Slot j's (score, value): with overlap, slots 0..R-1 are the previous block's first
+  // halves, R..2R-1 this block's second halves; plain slots are this block's R tokens.
+  const auto slot_value = [&](int j, float* z, float* v) {
+    const int64_t q = first + j;
+    const int res = static_cast<int>(((q % R) + R) % R);
+    const int64_t col = a.overlap && j >= R ? w + c : c;
+    if (q >= sq.first_pos) {
+      const int64_t row = sq.first_row + (q - sq.first_pos);
+      if (row >= a.kv.rows || row >= a.score.rows) {
+        *z = NAN;
+        *v = NAN;
+        return;
+      }
+      *z = row_ptr(a.score, row)[col] + row_ptr(a.ape, res)[col];
+      *v = row_ptr(a.kv, row)[col];
+    } else {
+      const int64_t state_row = base + ((q % M) + M) % M;
+      *z = row_ptr(a.state_score, state_row)[col];
+      *v = row_ptr(a.state_kv, state_row)[col];
+    }
+  };
+  float z, v;
+  slot_value(0, &z, &v);
+  float mx = z;
+  for (int j = 1; j < slots; ++j) {
+    slot_value(j, &z, &v);
+    mx = mx < z ? z : mx;  // std::max's rule
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < slots; ++j) {
+    slot_value(j, &z, &v);
+    sum += expf(z - mx);
+  }
+  float acc = 0.0f;
+  for (int j = 0; j < slots; ++j) {
+    slot_value(j, &z, &v);
+    acc += v * (expf(z - mx) / sum);
+  }
+  return acc;
+}
+
+// The closing row r's sequence and position, or false for a row that closes no block (or a
+// padding row).
+__device__ inline bool closing_row(const CompressKernelArgs& p, int r, Seq* sq, int64_t* pos) {
+  const int s = p.m.row_seq[r];
+  if (s < 0) return false;
+  *sq = load_seq(p.m.seqs, s);
+  const int64_t i = int64_t{r} - sq->first_row;
+  if (i < 0 || i >= sq->rows) return false;
+  *pos = sq->first_pos + i;
+  return *pos % p.a.ratio == p.a.ratio - 1;
+}
+
+// Whether the slot's state rows exist (a row of an absent slot pools to NaN).
+__device__ inline bool state_present(const CompressArgs& a, const Seq& sq) {
+  const int64_t base = int64_t{sq.slot} * a.state_rows;
+  return sq.slot >= 0 && base + a.state_rows <= a.state_kv.rows && base + a.state_rows <= a.state_score.rows;
+}
+
+// Block per row; a row that closes a block (position % ratio == ratio - 1) writes its pooled
+// entry to pooled[row].
 __global__ void compress_pool_kernel(const CompressKernelArgs p) {
   ::dsv4::cuda::dependent_kernel_prologue();
   const CompressArgs& a = p.a;
   const int r = blockIdx.x;
-  const int s = p.m.row_seq[r];
-  if (s < 0) return;
-  const Seq sq = load_seq(p.m.seqs, s);
-  const int64_t i = int64_t{r} - sq.first_row;
-  if (i < 0 || i >= sq.rows) return;
-  const int R = a.ratio, o = a.overlap ? 2 : 1;
-  const int64_t pos = sq.first_pos + i;
-  if (pos % R != R - 1) return;
-  const int64_t w = a.pooled.cols, M = a.state_rows;
+  Seq sq;
+  int64_t pos = 0;
+  if (!closing_row(p, r, &sq, &pos)) return;
+  const int64_t w = a.pooled.cols;
   float* out = row_ptr(a.pooled, r);
-  const int64_t base = int64_t{sq.slot} * M;
-  if (sq.slot < 0 || base + M > a.state_kv.rows || base + M > a.state_score.rows) {
-    for (int64_t c = threadIdx.x; c < w; c += blockDim.x) out[c] = NAN;
-    return;
-  }
-  const int64_t first = pos + 1 - int64_t{o} * R;
-  const int slots = o * R;
-  for (int64_t c = threadIdx.x; c < w; c += blockDim.x) {
-    // Slot j's (score, value): with overlap, slots 0..R-1 are the previous block's first
-    // halves, R..2R-1 this block's second halves; plain slots are this block's R tokens.
-    const auto slot_value = [&](int j, float* z, float* v) {
-      const int64_t q = first + j;
-      const int res = static_cast<int>(((q % R) + R) % R);
-      const int64_t col = a.overlap && j >= R ? w + c : c;
-      if (q >= sq.first_pos) {
-        const int64_t row = sq.first_row + (q - sq.first_pos);
-        if (row >= a.kv.rows || row >= a.score.rows) {
-          *z = NAN;
-          *v = NAN;
-          return;
-        }
-        *z = row_ptr(a.score, row)[col] + row_ptr(a.ape, res)[col];
-        *v = row_ptr(a.kv, row)[col];
-      } else {
-        const int64_t state_row = base + ((q % M) + M) % M;
-        *z = row_ptr(a.state_score, state_row)[col];
-        *v = row_ptr(a.state_kv, state_row)[col];
-      }
-    };
-    float z, v;
-    slot_value(0, &z, &v);
-    float mx = z;
-    for (int j = 1; j < slots; ++j) {
-      slot_value(j, &z, &v);
-      mx = mx < z ? z : mx;  // std::max's rule
-    }
-    float sum = 0.0f;
-    for (int j = 0; j < slots; ++j) {
-      slot_value(j, &z, &v);
-      sum += expf(z - mx);
-    }
-    float acc = 0.0f;
-    for (int j = 0; j < slots; ++j) {
-      slot_value(j, &z, &v);
-      acc += v * (expf(z - mx) / sum);
-    }
-    out[c] = acc;
-  }
+  const bool present = state_present(a, sq);
+  for (int64_t c = threadIdx.x; c < w; c += blockDim.x)
+    out[c] = present ? pool_column(a, sq, pos, int64_t{sq.slot} * a.state_rows, w, c) : NAN;
+}
+
+// compress_pool_kernel, finish_rows and store_entries in one block per row
+// (Backend::compress_entries): a closing row's entry is pooled into shared memory, finished
+// there (row_finish.cuh, RoPE at the block's first position) and written to its page. The block
+// has finish::threads_for(w) threads; pooling is per column, so the same bits as the three
+// launches.
+struct CompressEntriesArgs {
+  CompressKernelArgs k;  // k.a.pooled unused
+  finish::Spec finish;   // finish.group: the entry's width
+  DevicePaged dst;
+};
+
+__global__ void compress_entries_kernel(const CompressEntriesArgs p) {
+  ::dsv4::cuda::dependent_kernel_prologue();
+  extern __shared__ float v[];
+  const CompressArgs& a = p.k.a;
+  const int r = blockIdx.x;
+  Seq sq;
+  int64_t pos = 0;
+  if (!closing_row(p.k, r, &sq, &pos)) return;
+  float* dst = paged_row(p.dst, sq.slot, pos / a.ratio);
+  if (!dst) return;  // store_entries's rule: no page, nothing stored
+  const int64_t w = p.finish.group;
+  const bool present = state_present(a, sq);
+  for (int64_t c = threadIdx.x; c < w; c += blockDim.x)
+    v[c] = present ? pool_column(a, sq, pos, int64_t{sq.slot} * a.state_rows, w, c) : NAN;
+  finish::finish_group(v, p.finish, static_cast<int32_t>(pos - pos % a.ratio));
+  for (int64_t c = threadIdx.x; c < w; c += blockDim.x) dst[c] = v[c];
 }
 
 // Block (j, s): ring row j of sequence s's state takes the step's last position q with

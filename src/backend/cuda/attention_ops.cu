@@ -258,33 +258,69 @@ Status store_window(const DeviceRows& kv, const StepMeta& m, int64_t window, con
   return Status::ok();
 }
 
-Status compress(const CompressArgs& a, const StepMeta& m, cudaStream_t stream) {
-  DSV4_TRY(check_meta(m, "compress"));
-  if (a.ratio <= 0 || a.ratio > 65535) return Status::errorf("compress: ratio {} (limit 65535)", a.ratio);
+namespace {
+
+// compress's checks of its arguments for pooled rows `w` wide; the state rows per slot.
+Result<int64_t> check_compress(const CompressArgs& a, const StepMeta& m, int64_t w, const char* op) {
+  DSV4_TRY(check_meta(m, op));
+  if (a.ratio <= 0 || a.ratio > 65535) return Status::errorf("{}: ratio {} (limit 65535)", op, a.ratio);
   const int o = a.overlap ? 2 : 1;
-  const int64_t w = a.pooled.cols;
-  DSV4_TRY(check_rows(a.pooled, "compress", "pooled", -1, false));
-  DSV4_TRY(check_rows(a.kv, "compress", "kv", o * w, false));
-  DSV4_TRY(check_rows(a.score, "compress", "score", o * w, false));
-  DSV4_TRY(check_rows(a.ape, "compress", "ape", o * w, false));
-  DSV4_TRY(check_rows(a.state_kv, "compress", "state_kv", o * w, false));
-  DSV4_TRY(check_rows(a.state_score, "compress", "state_score", o * w, false));
-  if (a.ape.rows < a.ratio) return Status::errorf("compress: ape has {} rows for ratio {}", a.ape.rows, a.ratio);
+  DSV4_TRY(check_rows(a.kv, op, "kv", o * w, false));
+  DSV4_TRY(check_rows(a.score, op, "score", o * w, false));
+  DSV4_TRY(check_rows(a.ape, op, "ape", o * w, false));
+  DSV4_TRY(check_rows(a.state_kv, op, "state_kv", o * w, false));
+  DSV4_TRY(check_rows(a.state_score, op, "state_score", o * w, false));
+  if (a.ape.rows < a.ratio) return Status::errorf("{}: ape has {} rows for ratio {}", op, a.ape.rows, a.ratio);
   const int64_t state_rows = a.state_rows ? a.state_rows : int64_t{o} * a.ratio;
   if (state_rows < int64_t{o} * a.ratio || state_rows > 65535)
-    return Status::errorf("compress: {} state rows per slot for {} x ratio {} (limit 65535)", state_rows, o, a.ratio);
+    return Status::errorf("{}: {} state rows per slot for {} x ratio {} (limit 65535)", op, state_rows, o, a.ratio);
+  return state_rows;
+}
+
+// The state update after pooling: every pooled entry reads the state as the step found it.
+Status launch_compress_state(const attn::CompressKernelArgs& k, const StepMeta& m, cudaStream_t stream) {
+  if (m.n_seqs == 0) return Status::ok();
+  cuda::launch_dependent(attn::compress_state_kernel,
+                         dim3(static_cast<unsigned>(k.a.state_rows), static_cast<unsigned>(m.n_seqs)), 128, 0, stream,
+                         k);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status check_paged(const DevicePaged& dst, int64_t w, const char* op) {
+  DSV4_TRY(check_rows(dst.pool, op, "paged pool", w, false));
+  if (!dst.page_table || dst.page_rows <= 0 || dst.table_ld < dst.max_pages)
+    return Status::errorf("{}: page table malformed ({} rows per page)", op, dst.page_rows);
+  return Status::ok();
+}
+
+}  // namespace
+
+Status compress(const CompressArgs& a, const StepMeta& m, cudaStream_t stream) {
+  DSV4_TRY(check_rows(a.pooled, "compress", "pooled", -1, false));
+  DSV4_ASSIGN_OR_RETURN(const int64_t state_rows, check_compress(a, m, a.pooled.cols, "compress"));
   if (m.n == 0) return Status::ok();
   attn::CompressKernelArgs k{a, m};
   k.a.state_rows = state_rows;
-  // Every pooled entry reads the state as the step found it, so pooling runs first.
   cuda::launch_dependent(attn::compress_pool_kernel, static_cast<unsigned>(m.n), 128, 0, stream, k);
   DSV4_CUDA_TRY_LAUNCH();
-  if (m.n_seqs > 0) {
-    cuda::launch_dependent(attn::compress_state_kernel,
-                           dim3(static_cast<unsigned>(state_rows), static_cast<unsigned>(m.n_seqs)), 128, 0, stream, k);
-    DSV4_CUDA_TRY_LAUNCH();
-  }
-  return Status::ok();
+  return launch_compress_state(k, m, stream);
+}
+
+Status compress_entries(const CompressArgs& a, const StepMeta& m, const finish::Spec& f, const DevicePaged& dst,
+                        cudaStream_t stream) {
+  const int64_t w = f.group;
+  if (w <= 0 || w > finish::kMaxGroup)
+    return Status::errorf("compress_entries: entries of {} values (limit {})", w, finish::kMaxGroup);
+  DSV4_ASSIGN_OR_RETURN(const int64_t state_rows, check_compress(a, m, w, "compress_entries"));
+  DSV4_TRY(check_paged(dst, w, "compress_entries"));
+  if (m.n == 0) return Status::ok();
+  attn::CompressEntriesArgs e{{a, m}, f, dst};
+  e.k.a.state_rows = state_rows;
+  cuda::launch_dependent(attn::compress_entries_kernel, static_cast<unsigned>(m.n), finish::threads_for(w),
+                         static_cast<size_t>(w) * sizeof(float), stream, e);
+  DSV4_CUDA_TRY_LAUNCH();
+  return launch_compress_state(e.k, m, stream);
 }
 
 Status block_positions(const StepMeta& m, int ratio, int32_t* out, cudaStream_t stream) {
@@ -304,9 +340,7 @@ Status store_entries(const DeviceRows& pooled, int ratio, const StepMeta& m, con
   if (ratio <= 0) return Status::errorf("store_entries: ratio {}", ratio);
   if (m.n == 0) return Status::ok();
   DSV4_TRY(check_rows(pooled, "store_entries", "pooled", -1, false));
-  DSV4_TRY(check_rows(dst.pool, "store_entries", "paged pool", pooled.cols, false));
-  if (!dst.page_table || dst.page_rows <= 0 || dst.table_ld < dst.max_pages)
-    return Status::errorf("store_entries: page table malformed ({} rows per page)", dst.page_rows);
+  DSV4_TRY(check_paged(dst, pooled.cols, "store_entries"));
   cuda::launch_dependent(attn::store_entries_kernel, static_cast<unsigned>(m.n), 128, 0, stream, pooled, ratio, m, dst);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();

@@ -24,6 +24,10 @@
 
 namespace dsv4::cuda {
 
+namespace finish {
+struct Spec;  // row_finish.cuh
+}
+
 // The arithmetic of attention and indexer scores (CudaBackend: Fast in the Quantized
 // MatmulMode, Exact otherwise). Exact: fp32 SIMT products, the test mode (<= 1e-5 against
 // the CPU). Fast: BF16 tensor-core tiles (mma.sync) with fp32 accumulation and softmax, the
@@ -120,6 +124,11 @@ struct CompressArgs {
   DeviceRows pooled;       // [n, w]
 };
 Status compress(const CompressArgs& a, const StepMeta& m, cudaStream_t stream);
+// compress, then each closing row's entry through f (RoPE at the block's first position) into
+// its page of dst, without the pooled rows in memory (Backend::compress_entries). a.pooled
+// is not read; the entries are f.group wide.
+Status compress_entries(const CompressArgs& a, const StepMeta& m, const finish::Spec& f, const DevicePaged& dst,
+                        cudaStream_t stream);
 
 Status block_positions(const StepMeta& m, int ratio, int32_t* out, cudaStream_t stream);
 

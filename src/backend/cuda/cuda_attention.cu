@@ -4,6 +4,7 @@
 // What the CPU checks per row on host memory (slots, pages, selected entries) is guarded on
 // the device instead: see attention_ops.h.
 #include <string>
+#include <vector>
 
 #include "backend/cuda/attention_ops.h"
 #include "backend/cuda/cuda_backend.h"
@@ -145,6 +146,34 @@ Status CudaBackend::compress(const Tensor& kv, const Tensor& score, const Tensor
   a.ratio = ratio;
   a.overlap = overlap;
   return cuda::compress(a, m, impl_->stream);
+}
+
+Status CudaBackend::compress_entries(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
+                                     const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
+                                     const RowFinish& finish, const PagedRows& dst) {
+  const int o = overlap ? 2 : 1;
+  const int64_t w = dst.pool.cols(), n = rows.n;
+  DSV4_ASSIGN_OR_RETURN(const StepMeta m, meta_of(rows, "compress_entries"));
+  if (ratio <= 0) return Status::errorf("compress_entries: ratio {}", ratio);
+  if (finish.group != w)
+    return Status::errorf("compress_entries: entries of {} values finished in groups of {}", w, finish.group);
+  // The finish's checks against an entry-shaped matrix.
+  const Tensor entry = make_descriptor(GgmlType::F32, std::vector<int64_t>{1, w});
+  DSV4_ASSIGN_OR_RETURN(const cuda::finish::Spec f, impl_->finish_spec(this, "compress_entries", entry, finish));
+  cuda::CompressArgs a;
+  DSV4_ASSIGN_OR_RETURN(a.kv, rows_of(kv, "compress_entries", "kv", n, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.score, rows_of(score, "compress_entries", "score", n, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.ape, rows_of(ape, "compress_entries", "ape", ratio, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.state_kv, ring_of(state_kv, "compress_entries", "state_kv", o * ratio, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.state_score, ring_of(state_score, "compress_entries", "state_score", o * ratio, o * w));
+  if (state_score.rows_per_slot != state_kv.rows_per_slot)
+    return Status::errorf(StatusCode::kInternal, "compress_entries: state rows per slot {} (kv) and {} (score)",
+                          state_kv.rows_per_slot, state_score.rows_per_slot);
+  a.state_rows = state_kv.rows_per_slot;
+  a.ratio = ratio;
+  a.overlap = overlap;
+  DSV4_ASSIGN_OR_RETURN(const DevicePaged pages, paged_of(dst, "compress_entries", w));
+  return cuda::compress_entries(a, m, f, pages, impl_->stream);
 }
 
 Status CudaBackend::block_positions(const StepRows& rows, int ratio, const Tensor& out) {

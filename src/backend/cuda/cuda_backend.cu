@@ -32,6 +32,7 @@
 #include "backend/cuda/matvec.h"
 #include "backend/cuda/mmq.h"
 #include "backend/cuda/attention_ops.h"
+#include "backend/cuda/block_reduce.cuh"
 #include "backend/cuda/reference_math.cuh"
 #include "gguf/gguf_file.h"
 #include "util/float_formats.h"
@@ -92,24 +93,7 @@ std::string device_error_text(uint32_t bits) {
   return s;
 }
 
-// Sum over a block of blockDim.x (a multiple of 32, at most 1024) threads; every thread gets it.
-__device__ double block_sum(double v) {
-  __shared__ double warp_sums[32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double total = 0.0;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += warp_sums[w];
-    warp_sums[0] = total;
-  }
-  __syncthreads();
-  const double total = warp_sums[0];
-  __syncthreads();  // the buffer may be reused by the next call
-  return total;
-}
+using cuda::block_sum;  // block_reduce.cuh
 
 // ---- memory kernels -------------------------------------------------------------------------
 
@@ -159,6 +143,19 @@ __global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float
     const float v = __fmul_rn(xr[i], r);
     yr[i] = w != nullptr ? __fmul_rn(v, w[i]) : v;
   }
+}
+
+// One block per (row, group) of cuda::finish::threads_for(group) threads: row_finish.cuh's
+// pipeline on the group in shared memory.
+__global__ void finish_rows_kernel(Mat<float> x, const int32_t* __restrict__ positions, cuda::finish::Spec s,
+                                   int64_t groups) {
+  ::dsv4::cuda::dependent_kernel_prologue();
+  extern __shared__ float v[];
+  const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
+  float* p = x.row(row) + g * s.group;
+  for (int64_t i = threadIdx.x; i < s.group; i += blockDim.x) v[i] = p[i];
+  cuda::finish::finish_group(v, s, s.rope_dims > 0 ? positions[row] : 0);
+  for (int64_t i = threadIdx.x; i < s.group; i += blockDim.x) p[i] = v[i];
 }
 
 // One thread per (row, head, pair).
@@ -564,6 +561,33 @@ Result<const float*> CudaBackend::Impl::rope_omega(const RopeParams& p) {
   // pageable source is staged before the call returns.
   DSV4_CUDA_TRY(cudaMemcpyAsync(d, omega.data(), omega.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
   return static_cast<const float*>(d);
+}
+
+Result<cuda::finish::Spec> CudaBackend::Impl::finish_spec(const Backend* self, const char* op, const Tensor& x,
+                                                           const RowFinish& f) {
+  DSV4_TRY(check_row_finish(op, x, f));
+  if (f.group > cuda::finish::kMaxGroup)
+    return Status::errorf("{}: groups of {} values (at most {}: one group in shared memory)", op, f.group,
+                          cuda::finish::kMaxGroup);
+  cuda::finish::Spec s;
+  s.group = f.group;
+  s.norm = f.norm;
+  s.eps = f.eps;
+  if (f.norm && f.norm_weight) {
+    DSV4_ASSIGN_OR_RETURN(const Mat<float> wv, cudaops::f32(*f.norm_weight, self, op, "norm weight", -1, f.group));
+    s.norm_weight = wv.p;
+  }
+  if (f.rope) {
+    DSV4_ASSIGN_OR_RETURN(s.omega, rope_omega(*f.rope));
+    s.rope_dims = f.rope->dims;
+  }
+  s.hadamard = f.hadamard;
+  s.round = f.round == QatRounding::Fp8   ? cuda::finish::kRoundFp8
+            : f.round == QatRounding::Fp4 ? cuda::finish::kRoundFp4
+                                          : cuda::finish::kRoundNone;
+  s.round_cols = f.round_cols;
+  s.round_block = f.round_block;
+  return s;
 }
 
 // ---- lifetime ---------------------------------------------------------------------------------------
@@ -1029,6 +1053,29 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
   return gemm_product(m, wm, xv, yv);
 }
 
+// Float32 products of a few rows with weights of one type and width (a layer's compressors
+// and index weights): one launch of float32_rows for all of them, each output the bits of its
+// own matmul. Anything else: the separate calls.
+Status CudaBackend::matmul_many(std::span<const Tensor* const> ws, const Tensor& x, std::span<const Tensor* const> ys,
+                                MatmulMode mode) {
+  if (mode != MatmulMode::Float32 || ws.size() < 2 || ws.size() != ys.size() ||
+      ws.size() > static_cast<size_t>(cuda::kFloat32RowsMaxMatrices))
+    return Backend::matmul_many(ws, x, ys, mode);
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "matmul_many", "x", -1, -1));
+  if (xv.rows < 1 || xv.rows > cuda::kFloat32RowsMax) return Backend::matmul_many(ws, x, ys, mode);
+  std::vector<cuda::Float32Matrix> ms;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const Tensor& w = *ws[i];
+    const bool takes = w.valid() && w.backend == this && w.rank == 2 && w.type == ws[0]->type && w.cols() == xv.cols &&
+                       w.row_stride() >= static_cast<int64_t>(ggml_row_bytes(w.type, w.cols()).value_or(INT64_MAX)) &&
+                       cuda::float32_rows_applies(w.type, w.data, w.row_stride(), xv.cols, xv.p, xv.ld);
+    if (!takes) return Backend::matmul_many(ws, x, ys, mode);
+    DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(*ys[i], this, "matmul_many", "y", xv.rows, w.rows()));
+    ms.push_back({w.data, w.row_stride(), w.rows(), yv.p, yv.ld});
+  }
+  return cuda::float32_rows_matmul_many(ws[0]->type, ms, xv.cols, xv.p, xv.ld, xv.rows, impl_->stream);
+}
+
 // One activation row (decode): the groups are a batch of matrices for one matvec call, x's
 // groups its consecutive inputs and y's its consecutive outputs; the same kernel per group
 // as separate calls (the row kernel, its activations quantised by one launch for all groups
@@ -1115,6 +1162,22 @@ Status CudaBackend::rope(const Tensor& x, int64_t head_dim, const Tensor& positi
   cuda::launch_dependent(rope_kernel, cudaops::row_tile_grid(xv.rows, count / xv.rows), cudaops::kRowTileThreads, 0,
                          impl_->stream, xv, head_dim, p.dims, static_cast<const int32_t*>(positions.data), omega,
                          inverse);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::finish_rows(const Tensor& x, const Tensor& positions, const RowFinish& f) {
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "finish_rows", "x", -1, -1));
+  DSV4_ASSIGN_OR_RETURN(const cuda::finish::Spec s, impl_->finish_spec(this, "finish_rows", x, f));
+  if (f.rope && (!positions.valid() || positions.backend != this || positions.type != GgmlType::I32 ||
+                 !positions.contiguous() || positions.n_elements() < xv.rows))
+    return Status::errorf("finish_rows: positions {} for x {}", positions.describe(), x.describe());
+  const int64_t groups = xv.cols / f.group, blocks = xv.rows * groups;
+  if (blocks == 0) return Status::ok();
+  if (blocks > INT32_MAX) return Status::errorf("finish_rows: {} groups exceed the grid", blocks);
+  cuda::launch_dependent(finish_rows_kernel, static_cast<unsigned>(blocks), cuda::finish::threads_for(f.group),
+                         static_cast<size_t>(f.group) * sizeof(float), impl_->stream, xv,
+                         f.rope ? static_cast<const int32_t*>(positions.data) : nullptr, s, groups);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

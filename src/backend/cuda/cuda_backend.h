@@ -77,11 +77,14 @@ class CudaBackend final : public Backend {
 
   Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) override;
   Status matmul_grouped(const Tensor& w, const Tensor& x, const Tensor& y, int64_t groups, MatmulMode mode) override;
+  Status matmul_many(std::span<const Tensor* const> ws, const Tensor& x, std::span<const Tensor* const> ys,
+                     MatmulMode mode) override;
   Status get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) override;
   Status rms_norm(const Tensor& x, const Tensor* weight, float eps, int64_t width,
                   const Tensor& y) override;
   Status rope(const Tensor& x, int64_t head_dim, const Tensor& positions, const RopeParams& p,
               bool inverse) override;
+  Status finish_rows(const Tensor& x, const Tensor& positions, const RowFinish& f) override;
   Status add(const Tensor& x, const Tensor& y) override;
   Status scale(const Tensor& x, float factor) override;
 
@@ -105,6 +108,9 @@ class CudaBackend final : public Backend {
   Status compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
                   const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
                   const Tensor& pooled) override;
+  Status compress_entries(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
+                          const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
+                          const RowFinish& finish, const PagedRows& dst) override;
   Status block_positions(const StepRows& rows, int ratio, const Tensor& out) override;
   Status store_entries(const Tensor& pooled, int ratio, const StepRows& rows,
                        const PagedRows& dst) override;

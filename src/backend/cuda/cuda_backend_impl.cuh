@@ -15,6 +15,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/row_finish.cuh"
 #include "gguf/quant_decode.h"
 
 namespace dsv4::backend {
@@ -109,6 +110,9 @@ struct CudaBackend::Impl {
   Status stage_upload(void* device, const void* host, size_t bytes);
   // The device copy of the frequencies for p (uploaded on the first call with p).
   Result<const float*> rope_omega(const RopeParams& p);
+  // f for x on the device (check_row_finish, the norm weight's shape, the RoPE table), for
+  // finish_rows and compress_entries.
+  Result<cuda::finish::Spec> finish_spec(const Backend* self, const char* op, const Tensor& x, const RowFinish& f);
 };
 
 }  // namespace dsv4::backend

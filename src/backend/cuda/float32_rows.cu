@@ -55,16 +55,30 @@ __device__ __forceinline__ float unit_dot(const uint8_t* __restrict__ wrow, cons
   }
 }
 
+// The matrices of one launch (products of one x): outputs first[i] .. first[i + 1] - 1 of the
+// grid are matrix i's.
+struct Products {
+  int count = 0;
+  const uint8_t* w[kFloat32RowsMaxMatrices] = {};
+  int64_t row_bytes[kFloat32RowsMaxMatrices] = {};
+  float* y[kFloat32RowsMaxMatrices] = {};
+  int64_t ldy[kFloat32RowsMaxMatrices] = {};
+  int64_t first[kFloat32RowsMaxMatrices + 1] = {};
+};
+
 // Block (o, r) of `threads` (a power of two, 32..1024): thread t sums units t, t + threads, ...
-// in order; the warps' sums by an xor tree, then warp 0 over the warp sums.
+// in order; the warps' sums by an xor tree, then warp 0 over the warp sums. o runs over the
+// outputs of every matrix, so each output's sums are those of its matrix alone.
 template <GgmlType T>
-__global__ void __launch_bounds__(1024) float32_rows_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
-                                                            int64_t units, const float* __restrict__ x, int64_t ldx,
-                                                            float* __restrict__ y, int64_t ldy) {
+__global__ void __launch_bounds__(1024) float32_rows_kernel(const Products p, int64_t units,
+                                                            const float* __restrict__ x, int64_t ldx) {
   ::dsv4::cuda::dependent_kernel_prologue();
   __shared__ float warp_sums[32];
-  const int64_t o = blockIdx.x, r = blockIdx.y;
-  const uint8_t* wrow = w + o * row_bytes;
+  int i = 0;
+  while (i + 1 < p.count && static_cast<int64_t>(blockIdx.x) >= p.first[i + 1]) ++i;
+  const int64_t o = blockIdx.x - p.first[i], r = blockIdx.y;
+  const uint8_t* wrow = p.w[i] + o * p.row_bytes[i];
+  float* y = p.y[i] + r * p.ldy[i] + o;
   const float* xrow = x + r * ldx;
   float acc = 0.0f;
 #pragma unroll 4
@@ -72,7 +86,7 @@ __global__ void __launch_bounds__(1024) float32_rows_kernel(const uint8_t* __res
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, off));
   if (blockDim.x == 32) {
-    if (threadIdx.x == 0) y[r * ldy + o] = acc;
+    if (threadIdx.x == 0) *y = acc;
     return;
   }
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
@@ -82,7 +96,7 @@ __global__ void __launch_bounds__(1024) float32_rows_kernel(const uint8_t* __res
   float v = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[lane] : 0.0f;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-  if (lane == 0) y[r * ldy + o] = v;
+  if (lane == 0) *y = v;
 }
 
 int unit_of(GgmlType type) {
@@ -98,29 +112,49 @@ bool float32_rows_applies(GgmlType type, const void* w, int64_t row_bytes, int64
   return reinterpret_cast<uintptr_t>(w) % align == 0 && row_bytes % align == 0;
 }
 
-Status float32_rows_matmul(GgmlType type, const void* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
-                           int64_t ldx, int64_t m, float* y, int64_t ldy, cudaStream_t stream) {
-  if (!float32_rows_applies(type, w, row_bytes, k, x, ldx) || n < 1 || n > INT32_MAX || m < 1 || m > kFloat32RowsMax)
+Status float32_rows_matmul_many(GgmlType type, std::span<const Float32Matrix> ms, int64_t k, const float* x,
+                                int64_t ldx, int64_t m, cudaStream_t stream) {
+  const auto refuse = [&](const std::string& why) {
     return Status::error("float32_rows_matmul: " + std::string(ggml_type_name(type)) + " " + std::to_string(m) +
-                         " rows x [" + std::to_string(n) + ", " + std::to_string(k) + "] (rows 1.." +
-                         std::to_string(kFloat32RowsMax) + ", F32/BF16/Q8_0, whole units of k, aligned rows)");
+                         " rows x " + std::to_string(ms.size()) + " matrices of " + std::to_string(k) +
+                         " columns: " + why + " (rows 1.." + std::to_string(kFloat32RowsMax) + ", 1.." +
+                         std::to_string(kFloat32RowsMaxMatrices) +
+                         " matrices, F32/BF16/Q8_0, whole units of k, aligned rows)");
+  };
+  if (ms.empty() || ms.size() > static_cast<size_t>(kFloat32RowsMaxMatrices) || m < 1 || m > kFloat32RowsMax)
+    return refuse("out of range");
+  Products p;
+  p.count = static_cast<int>(ms.size());
+  for (int i = 0; i < p.count; ++i) {
+    const Float32Matrix& mat = ms[i];
+    if (!float32_rows_applies(type, mat.w, mat.row_bytes, k, x, ldx) || mat.n < 1) return refuse("matrix " + std::to_string(i));
+    p.w[i] = static_cast<const uint8_t*>(mat.w);
+    p.row_bytes[i] = mat.row_bytes;
+    p.y[i] = mat.y;
+    p.ldy[i] = mat.ldy;
+    p.first[i + 1] = p.first[i] + mat.n;
+  }
+  if (p.first[p.count] > INT32_MAX) return refuse("too many outputs");
   // About four units a thread: a power of two from one warp to 1024 threads (fixed by k, so a
-  // row's sums never depend on m).
+  // row's sums never depend on m or on the other matrices).
   const int64_t units = k / unit_of(type);
   int threads = 32;
   while (threads < 1024 && int64_t{threads} * 4 < units) threads *= 2;
-  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(m), 1);
-  const auto* wb = static_cast<const uint8_t*>(w);
+  const dim3 grid(static_cast<unsigned>(p.first[p.count]), static_cast<unsigned>(m), 1);
   if (type == GgmlType::F32)
-    launch_dependent(float32_rows_kernel<GgmlType::F32>, grid, threads, 0, stream, wb, row_bytes, units, x, ldx, y, ldy);
+    launch_dependent(float32_rows_kernel<GgmlType::F32>, grid, threads, 0, stream, p, units, x, ldx);
   else if (type == GgmlType::BF16)
-    launch_dependent(float32_rows_kernel<GgmlType::BF16>, grid, threads, 0, stream, wb, row_bytes, units, x, ldx, y,
-                     ldy);
+    launch_dependent(float32_rows_kernel<GgmlType::BF16>, grid, threads, 0, stream, p, units, x, ldx);
   else
-    launch_dependent(float32_rows_kernel<GgmlType::Q8_0>, grid, threads, 0, stream, wb, row_bytes, units, x, ldx, y,
-                     ldy);
+    launch_dependent(float32_rows_kernel<GgmlType::Q8_0>, grid, threads, 0, stream, p, units, x, ldx);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
+}
+
+Status float32_rows_matmul(GgmlType type, const void* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
+                           int64_t ldx, int64_t m, float* y, int64_t ldy, cudaStream_t stream) {
+  const Float32Matrix one{w, row_bytes, n, y, ldy};
+  return float32_rows_matmul_many(type, std::span<const Float32Matrix>(&one, 1), k, x, ldx, m, stream);
 }
 
 }  // namespace dsv4::cuda

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
 
 #include "gguf/ggml_types.h"
 #include "util/status.h"
@@ -33,5 +34,18 @@ bool float32_rows_applies(GgmlType type, const void* w, int64_t row_bytes, int64
 // y[r][o] = sum_i w[o][i] x[r][i] for r < m <= kFloat32RowsMax, o < n (x, y strides in floats).
 Status float32_rows_matmul(GgmlType type, const void* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
                            int64_t ldx, int64_t m, float* y, int64_t ldy, cudaStream_t stream);
+
+// Several matrices of one type and k multiplying the same x in one launch (a layer's
+// compressors and index weights, Backend::matmul_many): each output the bits of
+// float32_rows_matmul with its matrix alone.
+inline constexpr int kFloat32RowsMaxMatrices = 8;
+struct Float32Matrix {
+  const void* w = nullptr;
+  int64_t row_bytes = 0, n = 0;
+  float* y = nullptr;
+  int64_t ldy = 0;
+};
+Status float32_rows_matmul_many(GgmlType type, std::span<const Float32Matrix> ms, int64_t k, const float* x,
+                                int64_t ldx, int64_t m, cudaStream_t stream);
 
 }  // namespace dsv4::cuda

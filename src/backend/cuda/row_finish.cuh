@@ -1,0 +1,102 @@
+// Backend::finish_rows on the device (backend.h RowFinish): one block takes one group of a
+// row (a head, a compressed entry) into shared memory and runs RMSNorm, RoPE, the Hadamard
+// rotation and the QAT rounding on it there, one pass over global memory instead of one per
+// step. Each step is the arithmetic of its standalone kernel (cuda_backend.cu: rms_norm_kernel,
+// rope_kernel, hadamard_kernel, round_fp8_kernel, round_fp4_kernel), and the block has the
+// thread count rms_norm_kernel gives the group's width, so the norm's sum runs in the same
+// order: the fused pipeline gives the bits of the separate launches (tests/cuda, RowFinish).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backend/cuda/block_reduce.cuh"
+#include "backend/cuda/reference_math.cuh"
+#include "util/float_formats.h"
+
+namespace dsv4::cuda::finish {
+
+enum Round : int { kRoundNone = 0, kRoundFp8 = 1, kRoundFp4 = 2 };
+inline constexpr int64_t kMaxGroup = 8192;  // one group in 32 KB of shared memory
+
+// The device side of a RowFinish.
+struct Spec {
+  int64_t group = 0;
+  bool norm = false;
+  const float* norm_weight = nullptr;  // or unweighted
+  float eps = 0.0f;
+  int rope_dims = 0;                   // 0: no RoPE
+  const float* omega = nullptr;        // [rope_dims / 2]
+  bool hadamard = false;
+  int round = kRoundNone;
+  int64_t round_cols = 0, round_block = 0;
+};
+
+// Threads rms_norm_kernel's launch gives a group of `width` values (about four a thread).
+inline int threads_for(int64_t width) {
+  return static_cast<int>(std::clamp<int64_t>((width / 4 + 31) / 32 * 32, 64, 1024));
+}
+
+// In place on the group v (shared memory, s.group floats) by the whole block; the RoPE at
+// `position`. Begins and ends with the block synchronised.
+__device__ inline void finish_group(float* v, const Spec& s, int32_t position) {
+  const int64_t width = s.group;
+  __syncthreads();  // v complete
+  if (s.norm) {
+    double ss = 0.0;
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += static_cast<double>(v[i]) * v[i];
+    const float r = ref::inverse_rms(block_sum(ss), width, s.eps);  // block_sum synchronises
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+      const float t = __fmul_rn(v[i], r);
+      v[i] = s.norm_weight != nullptr ? __fmul_rn(t, s.norm_weight[i]) : t;
+    }
+    __syncthreads();
+  }
+  if (s.rope_dims > 0) {
+    const int half = s.rope_dims / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+      ref::rope_pair(v + width - s.rope_dims + 2 * i, position, s.omega[i], false);
+    __syncthreads();
+  }
+  if (s.hadamard) {
+    for (int64_t h = 1; h < width; h *= 2) {
+      for (int64_t t = threadIdx.x; t < width / 2; t += blockDim.x) {
+        const int64_t j = (t / h) * 2 * h + t % h;  // the butterfly (j, j + h) of pair t
+        const float a = v[j], b = v[j + h];
+        v[j] = __fadd_rn(a, b);
+        v[j + h] = __fsub_rn(a, b);
+      }
+      __syncthreads();
+    }
+    const float sc = __fdiv_rn(1.0f, __fsqrt_rn(static_cast<float>(width)));
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) v[i] = __fmul_rn(v[i], sc);
+    __syncthreads();
+  }
+  if (s.round == kRoundFp8) {
+    // A warp per block of columns, as round_fp8_kernel (the maximum is order-free).
+    const int lane = static_cast<int>(threadIdx.x & 31), warps = static_cast<int>(blockDim.x / 32);
+    for (int64_t b = threadIdx.x / 32; b < s.round_cols / s.round_block; b += warps) {
+      float* p = v + b * s.round_block;
+      float amax = 0.0f;
+      for (int64_t i = lane; i < s.round_block; i += 32) amax = ref::std_max(amax, ref::abs(p[i]));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = ref::std_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      amax = ref::std_max(amax, 1e-4f);
+      const float sc = ref::pow2_ceil(ref::mul(amax, 1.0f / kE4M3Max));
+      for (int64_t i = lane; i < s.round_block; i += 32) {
+        const float r = ref::std_clamp(ref::div(p[i], sc), -kE4M3Max, kE4M3Max);
+        p[i] = ref::mul(e4m3_to_f32(f32_to_e4m3(r)), sc);
+      }
+    }
+    __syncthreads();
+  } else if (s.round == kRoundFp4) {
+    for (int64_t b = threadIdx.x; b < width / s.round_block; b += blockDim.x)
+      ref::round_fp4_block(v + b * s.round_block, s.round_block);
+    __syncthreads();
+  }
+}
+
+}  // namespace dsv4::cuda::finish
