@@ -363,6 +363,9 @@ std::vector<AttnCase> attention_cases() {
       // The cache's rings: window + 4 rows per slot (position p at row p mod 132 / 12).
       {"flash csa ring rows", 64, 512, 128, 4, true, 512, {{3, 5000, 5}, {0, 100, 2}, {1, 0, 3}}, 2, 4, 1.0f, 4},
       {"tiny hca ring rows", 4, 256, 8, 16, false, 0, {{1, 60, 5}, {0, 0, 9}, {2, 33, 1}}, 2, 3, 1.0f, 4},
+      // One decode row (blocks of 16 heads on the tensor cores: 64 heads over 4 or 20 key tiles).
+      {"flash window one row", 64, 512, 128, 0, false, 0, {{0, 900, 1}}, 0, 1},
+      {"flash csa one row", 64, 512, 128, 4, true, 512, {{0, 5000, 1}}, 0, 1},
   };
 }
 

@@ -121,6 +121,55 @@ TEST_P(MatvecTest, V4FlashShape4096To1024) {
   });
 }
 
+// shared_x (one x for every matrix of the batch, the shared expert's gate and up): each
+// matrix's outputs the bits of that matrix alone, the second matrix before the first in memory
+// (a negative stride) or after it; in both kernel choices (the row kernel's one launch, or
+// the per-matrix fallback), and with 2 rows (the fallback).
+TEST_P(MatvecTest, SharedInputBatchIsEachMatrixAlone) {
+  const GgmlType type = GetParam();
+  std::mt19937_64 rng(dsv4::test::test_seed() + 3);
+  SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
+  const int64_t block = ggml_traits(type).block_elems;
+  for_each_choice([&] {
+    for (const int64_t k : {block == 256 ? int64_t{768} : int64_t{224}, int64_t{4096}}) {
+      for (const int rows : {1, 2}) {
+        for (const bool backwards : {false, true}) {
+          SCOPED_TRACE("k " + std::to_string(k) + ", rows " + std::to_string(rows) + (backwards ? ", up first" : ""));
+          const int64_t n = 96;
+          const size_t rb = row_bytes(type, k), matrix = rb * n, gap = (matrix + 4095) / 4096 * 4096 + 256;
+          std::vector<uint8_t> w(gap + matrix);
+          const auto a = random_weights(type, n, k, rng), b = random_weights(type, n, k, rng);
+          std::memcpy(&w[backwards ? gap : 0], a.data(), a.size());
+          std::memcpy(&w[backwards ? 0 : gap], b.data(), b.size());
+          const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(rows * k), rng);
+          DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
+          const uint8_t* first = dw.get<uint8_t>() + (backwards ? gap : 0);
+          const int64_t stride = backwards ? -static_cast<int64_t>(gap) : static_cast<int64_t>(gap);
+          MatvecWeights both{type, first, n, k, 2, stride};
+          both.shared_x = true;
+          DeviceBuffer ws(matvec_workspace_bytes(both, rows));
+          DeviceBuffer dy(static_cast<size_t>(2 * rows * n) * sizeof(float));
+          dy.poison();
+          ASSERT_OK(matvec(both, dx.get<float>(), rows, dy.get<float>(), ws.get(), ws.bytes(), nullptr));
+          ASSERT_CUDA(cudaDeviceSynchronize());
+          const auto together = dy.to_host<float>(static_cast<size_t>(2 * rows * n));
+          for (int m = 0; m < 2; ++m) {
+            const MatvecWeights one{type, first + m * stride, n, k, 1, 0};
+            DeviceBuffer y1(static_cast<size_t>(rows * n) * sizeof(float));
+            y1.poison();
+            ASSERT_OK(matvec(one, dx.get<float>(), rows, y1.get<float>(), ws.get(), ws.bytes(), nullptr));
+            ASSERT_CUDA(cudaDeviceSynchronize());
+            const auto alone = y1.to_host<float>(static_cast<size_t>(rows * n));
+            for (const float v : alone) ASSERT_TRUE(std::isfinite(v));
+            EXPECT_EQ(0, std::memcmp(alone.data(), together.data() + m * rows * n, alone.size() * sizeof(float)))
+                << "matrix " << m << " differs from the same product alone";
+          }
+        }
+      }
+    }
+  });
+}
+
 // Batch-invariant mode (KernelChoice::batch_invariant): a row's outputs are the same bits
 // whether it is multiplied alone, with a few rows or with 63 others (either kernel family), and
 // they stay within the usual bounds of the reference (1, 17 and 64 rows, batched matrices).

@@ -133,7 +133,12 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
   size_t smem = 0;
   int threads = 0;
   if (p.tensor_cores) {
+    // Fewer heads per block (multiples of the mma tile's 16) while the rows' key tiles leave
+    // multiprocessors idle: a decode row's 64 heads had 4-20 blocks, each converting all 64
+    // query heads before its first tile. A head's arithmetic does not depend on its block.
     p.heads_per_block = std::min(64, (a.heads + 15) / 16 * 16);
+    while (!invariant && p.heads_per_block > 16 && m.n * ceil_div(a.heads, p.heads_per_block) * tiles_max < lim.sms)
+      p.heads_per_block = std::max(16, p.heads_per_block / 2 / 16 * 16);
     smem = attn::mma_attention_smem(p.heads_per_block, a.d);
     threads = attn::kMmaThreads;
   } else {

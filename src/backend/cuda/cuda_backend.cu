@@ -254,40 +254,44 @@ __device__ void hc_split_sinkhorn_block(const float* mixes, float rho, const flo
 }
 
 // The comb part of hc_split_sinkhorn_block on warp 0 alone (n * n <= 32): the same entries, the
-// same operations in the same order, with warp barriers instead of block barriers, so the
-// other warps of the block can do the collapse meanwhile.
+// same operations in the same order, so the other warps of the block can do the collapse
+// meanwhile. Lane t holds entry t in a register and reads a row's or column's entries by
+// shuffles (all loaded before the sum, which then runs in index order): a half-step is one
+// shuffle latency, the sum's adds and the division. Through shared memory (store, warp barrier,
+// loads, barrier) the 39 half-steps of 20 iterations were the decode step's longest serial
+// chain: 21.6 us of the 21.6-us hc_pre at one row, its other 31 warps waiting at the barrier
+// (ncu, 2026-12-03).
 __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float* scale, const float* base, int n,
                                       int iters, float eps, float* comb) {
-  __shared__ float c[32];
+  constexpr unsigned kAll = 0xFFFFFFFFu;
   const int t = static_cast<int>(threadIdx.x);
   const bool mine = t < n * n;
   const int j = mine ? t / n : 0, k = mine ? t % n : 0;
   float v = mine ? ref::fma(ref::mul(mixes[2 * n + t], rho), scale[2], base[2 * n + t]) : 0.0f;
-  const auto publish = [&] {
-    __syncwarp();
-    if (mine) c[t] = v;
-    __syncwarp();
+  // Entries q = 0..n-1 of this lane's row (or column), as c[j * n + q] (c[q * n + k]).
+  float line[kMaxHc];
+  const auto gather = [&](bool columns) {
+#pragma unroll
+    for (int q = 0; q < kMaxHc; ++q) line[q] = __shfl_sync(kAll, v, (columns ? q * n + k : j * n + q) & 31);
   };
-  publish();
-  if (mine) {
-    float m = c[j * n];
-    for (int q = 1; q < n; ++q) m = ref::std_max(m, c[j * n + q]);
-    v = ref::exp(ref::sub(v, m));
-  }
-  publish();
-  if (mine) {
+  const auto line_sum = [&] {
     float sum = 0.0f;
-    for (int q = 0; q < n; ++q) sum = ref::add(sum, c[j * n + q]);
-    v = ref::add(ref::div(v, sum), eps);
-  }
-  publish();
+#pragma unroll
+    for (int q = 0; q < kMaxHc; ++q)
+      if (q < n) sum = ref::add(sum, line[q]);
+    return sum;
+  };
+  gather(false);  // row softmax: the row's max, exp(x - max) ...
+  float m = line[0];
+#pragma unroll
+  for (int q = 1; q < kMaxHc; ++q)
+    if (q < n) m = ref::std_max(m, line[q]);
+  v = ref::exp(ref::sub(v, m));
+  gather(false);  // ... over the row's sum, + eps
+  v = ref::add(ref::div(v, line_sum()), eps);
   const auto normalise = [&](bool columns) {
-    if (mine) {
-      float sum = 0.0f;
-      for (int q = 0; q < n; ++q) sum = ref::add(sum, columns ? c[q * n + k] : c[j * n + q]);
-      v = ref::div(v, ref::add(sum, eps));
-    }
-    publish();
+    gather(columns);
+    v = ref::div(v, ref::add(line_sum(), eps));
   };
   normalise(true);
   for (int it = 1; it < iters; ++it) {

@@ -307,11 +307,38 @@ Status CudaBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Ten
   const int64_t n = xv.rows, inter = gate.rows();
   DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "swiglu_expert", "y", n, xv.cols));
   if (n == 0) return Status::ok();
-  DSV4_ASSIGN_OR_RETURN(Tensor g, scratch(GgmlType::F32, std::vector<int64_t>{n, inter}));
-  DSV4_ASSIGN_OR_RETURN(Tensor u, scratch(GgmlType::F32, std::vector<int64_t>{n, inter}));
+  DSV4_ASSIGN_OR_RETURN(const Tensor gu, scratch(GgmlType::F32, std::vector<int64_t>{2, n, inter}));
+  const Tensor g = gu.at(0), u = gu.at(1);
   DSV4_ASSIGN_OR_RETURN(Tensor o, scratch(GgmlType::F32, std::vector<int64_t>{n, xv.cols}));
-  DSV4_TRY(matmul(gate, x, g, mode));
-  DSV4_TRY(matmul(up, x, u, mode));
+  // One row (decode): gate and up as one launch of the one-row kernel over both matrices
+  // (matvec.h shared_x), each output the bits of its own product.
+  const auto row_bytes = ggml_row_bytes(gate.type, static_cast<uint64_t>(xv.cols));
+  const bool paired = n == 1 && mode == MatmulMode::Quantized && gate.type == up.type && gate.rank == 2 &&
+                      up.rank == 2 && gate.cols() == xv.cols && up.cols() == xv.cols && gate.backend == this &&
+                      up.backend == this && cuda::matvec_supported(gate.type) && xv.cols % 32 == 0 && row_bytes &&
+                      gate.row_stride() == static_cast<int64_t>(*row_bytes) &&
+                      up.row_stride() == static_cast<int64_t>(*row_bytes) &&
+                      reinterpret_cast<uintptr_t>(gate.data) % 16 == 0 && reinterpret_cast<uintptr_t>(up.data) % 16 == 0 &&
+                      !cuda::kernel_choice().batch_invariant;
+  if (paired) {
+    const cuda::MatvecWeights mw{gate.type, gate.data, inter, xv.cols, 2,
+                                 static_cast<const uint8_t*>(up.data) - static_cast<const uint8_t*>(gate.data), true};
+    const size_t ws_bytes = cuda::matvec_workspace_bytes(mw, 1);
+    void* ws = nullptr;
+    if (ws_bytes) {
+      DSV4_ASSIGN_OR_RETURN(ws, impl_->scratch_bytes(ws_bytes));
+    }
+    const float* xp = xv.p;
+    if (reinterpret_cast<uintptr_t>(xp) % 16 != 0) {  // a column view: the row kernel wants 16-byte rows
+      DSV4_TRY(matmul(gate, x, g, mode));
+      DSV4_TRY(matmul(up, x, u, mode));
+    } else {
+      DSV4_TRY(cuda::matvec(mw, xp, 1, static_cast<float*>(gu.data), ws, ws_bytes, impl_->stream));
+    }
+  } else {
+    DSV4_TRY(matmul(gate, x, g, mode));
+    DSV4_TRY(matmul(up, x, u, mode));
+  }
   const Mat<float> gm{static_cast<float*>(g.data), n, inter, inter}, um{static_cast<float*>(u.data), n, inter, inter};
   cuda::launch_dependent(swiglu_kernel, cudaops::row_tile_grid(n, inter), cudaops::kRowTileThreads, 0, impl_->stream,
                          gm, um, limit, nullptr, gm);

@@ -46,10 +46,11 @@ Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launche
   const int lanes = detail::lanes_per_row(a.act.k, Policy::kUnitWeights);
   const int64_t steps = (units + lanes - 1) / lanes;
   const int64_t tasks = a.n_tasks;
-  // f32 activations (matvec: one row, one matrix): the block quantises them itself.
+  // f32 activations (matvec: one row, one matrix or one x for all): the block quantises them
+  // itself.
   MatvecArgs fused = a;
   if (a.act.q == nullptr) {
-    if (a.act.f == nullptr || tasks != 1 || Policy::kIq2) return Status::ok();
+    if (a.act.f == nullptr || (tasks != 1 && !a.shared_act) || Policy::kIq2) return Status::ok();
     fused.act_smem_bytes = detail::row_quant_smem_bytes(a.act.k, Policy::kUnitWeights, lanes);
   }
   const MatvecArgs& b = fused;
@@ -326,6 +327,26 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act_rows = rows;
   a.act.k = w.k;
   a.out = y;
+  if (w.shared_x && w.batch > 1) {
+    // One launch of the row kernel for every matrix (it quantises x once per block, whatever
+    // the task); where it does not apply, each matrix on its own.
+    if (rows == 1 && !invariant && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+      a.act.f = x;
+      a.shared_act = true;
+      bool launched = false;
+      DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
+      if (launched) return Status::ok();
+    }
+    for (int64_t b = 0; b < w.batch; ++b) {
+      MatvecWeights one = w;
+      one.data = static_cast<const uint8_t*>(w.data) + b * a.matrix_stride;
+      one.batch = 1;
+      one.batch_stride_bytes = 0;
+      one.shared_x = false;
+      DSV4_TRY(matvec(one, x, rows, y + b * rows * w.n, workspace, workspace_bytes, stream));
+    }
+    return Status::ok();
+  }
   if (w.type == GgmlType::BF16) {
     if (invariant) {
       a.act.f = x;

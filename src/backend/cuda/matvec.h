@@ -35,7 +35,11 @@ struct MatvecWeights {
   int64_t n = 0;  // output features (rows)
   int64_t k = 0;  // input features, a multiple of the type's block size
   int64_t batch = 1;
-  int64_t batch_stride_bytes = 0;  // 0: the matrices are contiguous
+  int64_t batch_stride_bytes = 0;  // 0: the matrices are contiguous (may be negative)
+  // Every matrix of the batch multiplies the same x ([rows][k], one row): a layer's products of
+  // one input in one launch (the shared expert's gate and up, CudaBackend::swiglu_expert), each
+  // output the bits of its matrix alone.
+  bool shared_x = false;
 };
 
 // Rows every type takes; up to 64 (kMmaMaxRows, mmq.h) where mma_matmul_applies.

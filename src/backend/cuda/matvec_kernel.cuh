@@ -68,9 +68,11 @@ struct MatvecArgs {
   int top_k = 0;
   float limit = 0.0f;
   float* out = nullptr;
-  // One-row kernel, one task: > 0 when it quantises act.f itself into the last act_smem_bytes
-  // of its shared memory (matvec_row_kernel.cuh) instead of reading act.q.
+  // One-row kernel: > 0 when it quantises act.f itself into the last act_smem_bytes of its
+  // shared memory (matvec_row_kernel.cuh) instead of reading act.q; one task, or every task
+  // with the same activations (shared_act).
   int act_smem_bytes = 0;
+  bool shared_act = false;
   const uint64_t* iq2_grid = nullptr;
   const uint8_t* iq2_signs = nullptr;
   quant::IqTables iq{};  // the other i-quants' codebooks (device memory)
