@@ -746,12 +746,11 @@ TEST_F(CudaBackendOps, FinishRowsFusedGivesTheSeparateLaunchesBits) {
   const Both x = f32({2, 256}, normal(512, rng));
   const Both positions = i32({2}, {0, 1});
   backend::RowFinish bad;
-  bad.group = 256;
+  bad.group = 128;  // two groups of 128 cannot share a row's FP8 blocks
   bad.rope = &main_rope;
-  bad.round = backend::QatRounding::Fp8;  // two groups of 128 cannot share a row's FP8 blocks
+  bad.round = backend::QatRounding::Fp8;
   bad.round_cols = 128;
   bad.round_block = 64;
-  bad.group = 128;
   Status st = gpu_->finish_rows(x.gpu, positions.gpu, bad);
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("FP8"), std::string::npos) << st.message();

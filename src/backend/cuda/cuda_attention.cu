@@ -70,6 +70,27 @@ Result<DevicePaged> paged_of(const PagedRows& p, const char* op, int64_t width) 
                      p.page_rows, p.first_row.valid() ? static_cast<const int32_t*>(p.first_row.data) : nullptr};
 }
 
+// A compressor's inputs and states for entries `w` wide (compress, compress_entries).
+Result<cuda::CompressArgs> compress_args(const char* op, const Tensor& kv, const Tensor& score, const Tensor& ape,
+                                         int ratio, bool overlap, int64_t n, int64_t w, const SlotRows& state_kv,
+                                         const SlotRows& state_score) {
+  if (ratio <= 0) return Status::errorf("{}: ratio {}", op, ratio);
+  const int o = overlap ? 2 : 1;
+  cuda::CompressArgs a;
+  DSV4_ASSIGN_OR_RETURN(a.kv, rows_of(kv, op, "kv", n, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.score, rows_of(score, op, "score", n, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.ape, rows_of(ape, op, "ape", ratio, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.state_kv, ring_of(state_kv, op, "state_kv", o * ratio, o * w));
+  DSV4_ASSIGN_OR_RETURN(a.state_score, ring_of(state_score, op, "state_score", o * ratio, o * w));
+  if (state_score.rows_per_slot != state_kv.rows_per_slot)
+    return Status::errorf(StatusCode::kInternal, "{}: state rows per slot {} (kv) and {} (score)", op,
+                          state_kv.rows_per_slot, state_score.rows_per_slot);
+  a.state_rows = state_kv.rows_per_slot;
+  a.ratio = ratio;
+  a.overlap = overlap;
+  return a;
+}
+
 static_assert(kSeqFields == cuda::kStepSeqFields, "the step metadata layout of backend.h and attention_ops.h");
 
 }  // namespace
@@ -128,50 +149,26 @@ Status CudaBackend::store_window(const Tensor& kv, const StepRows& rows, int64_t
 Status CudaBackend::compress(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
                              const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
                              const Tensor& pooled) {
-  const int o = overlap ? 2 : 1;
-  const int64_t wide = kv.cols(), w = wide / o, n = rows.n;
+  const int64_t w = kv.cols() / (overlap ? 2 : 1), n = rows.n;
   DSV4_ASSIGN_OR_RETURN(const StepMeta m, meta_of(rows, "compress"));
-  if (ratio <= 0) return Status::errorf("compress: ratio {}", ratio);
-  cuda::CompressArgs a;
-  DSV4_ASSIGN_OR_RETURN(a.kv, rows_of(kv, "compress", "kv", n, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.score, rows_of(score, "compress", "score", n, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.ape, rows_of(ape, "compress", "ape", ratio, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.state_kv, ring_of(state_kv, "compress", "state_kv", o * ratio, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.state_score, ring_of(state_score, "compress", "state_score", o * ratio, o * w));
-  if (state_score.rows_per_slot != state_kv.rows_per_slot)
-    return Status::errorf(StatusCode::kInternal, "compress: state rows per slot {} (kv) and {} (score)",
-                          state_kv.rows_per_slot, state_score.rows_per_slot);
-  a.state_rows = state_kv.rows_per_slot;
+  DSV4_ASSIGN_OR_RETURN(cuda::CompressArgs a,
+                        compress_args("compress", kv, score, ape, ratio, overlap, n, w, state_kv, state_score));
   DSV4_ASSIGN_OR_RETURN(a.pooled, rows_of(pooled, "compress", "pooled", n, w));
-  a.ratio = ratio;
-  a.overlap = overlap;
   return cuda::compress(a, m, impl_->stream);
 }
 
 Status CudaBackend::compress_entries(const Tensor& kv, const Tensor& score, const Tensor& ape, int ratio, bool overlap,
                                      const StepRows& rows, const SlotRows& state_kv, const SlotRows& state_score,
                                      const RowFinish& finish, const PagedRows& dst) {
-  const int o = overlap ? 2 : 1;
   const int64_t w = dst.pool.cols(), n = rows.n;
   DSV4_ASSIGN_OR_RETURN(const StepMeta m, meta_of(rows, "compress_entries"));
-  if (ratio <= 0) return Status::errorf("compress_entries: ratio {}", ratio);
   if (finish.group != w)
     return Status::errorf("compress_entries: entries of {} values finished in groups of {}", w, finish.group);
   // The finish's checks against an entry-shaped matrix.
   const Tensor entry = make_descriptor(GgmlType::F32, std::vector<int64_t>{1, w});
   DSV4_ASSIGN_OR_RETURN(const cuda::finish::Spec f, impl_->finish_spec(this, "compress_entries", entry, finish));
-  cuda::CompressArgs a;
-  DSV4_ASSIGN_OR_RETURN(a.kv, rows_of(kv, "compress_entries", "kv", n, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.score, rows_of(score, "compress_entries", "score", n, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.ape, rows_of(ape, "compress_entries", "ape", ratio, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.state_kv, ring_of(state_kv, "compress_entries", "state_kv", o * ratio, o * w));
-  DSV4_ASSIGN_OR_RETURN(a.state_score, ring_of(state_score, "compress_entries", "state_score", o * ratio, o * w));
-  if (state_score.rows_per_slot != state_kv.rows_per_slot)
-    return Status::errorf(StatusCode::kInternal, "compress_entries: state rows per slot {} (kv) and {} (score)",
-                          state_kv.rows_per_slot, state_score.rows_per_slot);
-  a.state_rows = state_kv.rows_per_slot;
-  a.ratio = ratio;
-  a.overlap = overlap;
+  DSV4_ASSIGN_OR_RETURN(const cuda::CompressArgs a, compress_args("compress_entries", kv, score, ape, ratio, overlap,
+                                                                  n, w, state_kv, state_score));
   DSV4_ASSIGN_OR_RETURN(const DevicePaged pages, paged_of(dst, "compress_entries", w));
   return cuda::compress_entries(a, m, f, pages, impl_->stream);
 }

@@ -391,7 +391,8 @@ __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams,
 
 // ---- QAT --------------------------------------------------------------------------------------
 
-// One block per (row, group) in shared memory: cpu::hadamard's butterflies stage by stage.
+// One block per (row, group) in shared memory: cpu::hadamard's butterflies stage by stage
+// (row_finish.cuh).
 __global__ void hadamard_kernel(Mat<float> x, int64_t width, int64_t groups) {
   ::dsv4::cuda::dependent_kernel_prologue();
   extern __shared__ float v[];
@@ -399,43 +400,21 @@ __global__ void hadamard_kernel(Mat<float> x, int64_t width, int64_t groups) {
   float* p = x.row(row) + g * width;
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) v[i] = p[i];
   __syncthreads();
-  for (int64_t h = 1; h < width; h *= 2) {
-    for (int64_t t = threadIdx.x; t < width / 2; t += blockDim.x) {
-      const int64_t j = (t / h) * 2 * h + t % h;  // the butterfly (j, j + h) of pair t
-      const float a = v[j], b = v[j + h];
-      v[j] = __fadd_rn(a, b);
-      v[j + h] = __fsub_rn(a, b);
-    }
-    __syncthreads();
-  }
-  const float s = __fdiv_rn(1.0f, __fsqrt_rn(static_cast<float>(width)));
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) p[i] = __fmul_rn(v[i], s);
+  cuda::finish::hadamard_in_shared(v, width);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) p[i] = v[i];
 }
 
-// cpu::round_fp8_block on each block of columns [0, cols); one warp per block. The same
-// values as the one-thread reference: amax starts at 0 and std_max never takes a NaN in (so
-// the lanes' partial maxima combine in any order), and each element's rounding depends only on
-// it and the scale. (One thread per block was 16 us per decode step and layer: a 512-wide KV
-// row is 8 threads walking 64 values each.)
+// cpu::round_fp8_block on each block of columns [0, cols); one warp per block
+// (row_finish.cuh's round_fp8_warp). One thread per block was 16 us per decode step and layer:
+// a 512-wide KV row is 8 threads walking 64 values each.
 __global__ void round_fp8_kernel(Mat<float> x, int64_t cols, int64_t block) {
   ::dsv4::cuda::dependent_kernel_prologue();
   const int64_t per_row = cols / block;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; idx < x.rows * per_row;
-       idx += warps) {
-    float* v = x.row(idx / per_row) + (idx % per_row) * block;
-    float amax = 0.0f;
-    for (int64_t i = lane; i < block; i += 32) amax = ref::std_max(amax, ref::abs(v[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = ref::std_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    amax = ref::std_max(amax, 1e-4f);
-    const float sc = ref::pow2_ceil(ref::mul(amax, 1.0f / kE4M3Max));
-    for (int64_t i = lane; i < block; i += 32) {
-      const float r = ref::std_clamp(ref::div(v[i], sc), -kE4M3Max, kE4M3Max);
-      v[i] = ref::mul(e4m3_to_f32(f32_to_e4m3(r)), sc);
-    }
-  }
+       idx += warps)
+    cuda::finish::round_fp8_warp(x.row(idx / per_row) + (idx % per_row) * block, block, lane);
 }
 
 __global__ void round_fp4_kernel(Mat<float> x, int64_t block) {

@@ -319,7 +319,7 @@ Status CudaBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Ten
                       gate.row_stride() == static_cast<int64_t>(*row_bytes) &&
                       up.row_stride() == static_cast<int64_t>(*row_bytes) &&
                       reinterpret_cast<uintptr_t>(gate.data) % 16 == 0 && reinterpret_cast<uintptr_t>(up.data) % 16 == 0 &&
-                      !cuda::kernel_choice().batch_invariant;
+                      reinterpret_cast<uintptr_t>(xv.p) % 16 == 0 && !cuda::kernel_choice().batch_invariant;
   if (paired) {
     const cuda::MatvecWeights mw{gate.type, gate.data, inter, xv.cols, 2,
                                  static_cast<const uint8_t*>(up.data) - static_cast<const uint8_t*>(gate.data), true};
@@ -328,13 +328,7 @@ Status CudaBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Ten
     if (ws_bytes) {
       DSV4_ASSIGN_OR_RETURN(ws, impl_->scratch_bytes(ws_bytes));
     }
-    const float* xp = xv.p;
-    if (reinterpret_cast<uintptr_t>(xp) % 16 != 0) {  // a column view: the row kernel wants 16-byte rows
-      DSV4_TRY(matmul(gate, x, g, mode));
-      DSV4_TRY(matmul(up, x, u, mode));
-    } else {
-      DSV4_TRY(cuda::matvec(mw, xp, 1, static_cast<float*>(gu.data), ws, ws_bytes, impl_->stream));
-    }
+    DSV4_TRY(cuda::matvec(mw, xv.p, 1, static_cast<float*>(gu.data), ws, ws_bytes, impl_->stream));
   } else {
     DSV4_TRY(matmul(gate, x, g, mode));
     DSV4_TRY(matmul(up, x, u, mode));
