@@ -66,64 +66,37 @@ struct Products {
   int64_t first[kFloat32RowsMaxMatrices + 1] = {};
 };
 
-// Block (o, c) of `threads` (a power of two, 32..1024) for output o and rows c*R .. c*R + R - 1:
-// thread t sums units t, t + threads, ... of each row in order, every unit's weights read once
-// for the block's rows; each row's warp sums by an xor tree, then warp 0 over the warp sums.
-// o runs over the outputs of every matrix, so each output's sums are those of its matrix
-// alone, and a row's operations do not depend on R or on the other rows (a block per output
-// and row made a 16-row compressor product 145 us: 42K one-warp blocks, each reading its
-// 4 KB weight row for one row of x).
-template <GgmlType T, int R>
+// Block (o, r) of `threads` (a power of two, 32..1024): thread t sums units t, t + threads, ...
+// in order; the warps' sums by an xor tree, then warp 0 over the warp sums. o runs over the
+// outputs of every matrix, so each output's sums are those of its matrix alone.
+template <GgmlType T>
 __global__ void __launch_bounds__(1024) float32_rows_kernel(const Products p, int64_t units,
-                                                            const float* __restrict__ x, int64_t ldx, int64_t m) {
+                                                            const float* __restrict__ x, int64_t ldx) {
   ::dsv4::cuda::dependent_kernel_prologue();
-  __shared__ float warp_sums[R][32];
+  __shared__ float warp_sums[32];
   int i = 0;
   while (i + 1 < p.count && static_cast<int64_t>(blockIdx.x) >= p.first[i + 1]) ++i;
-  const int64_t o = blockIdx.x - p.first[i], r0 = static_cast<int64_t>(blockIdx.y) * R;
-  const int rows = static_cast<int>(m - r0 < R ? m - r0 : R);
+  const int64_t o = blockIdx.x - p.first[i], r = blockIdx.y;
   const uint8_t* wrow = p.w[i] + o * p.row_bytes[i];
-  float acc[R];
+  float* y = p.y[i] + r * p.ldy[i] + o;
+  const float* xrow = x + r * ldx;
+  float acc = 0.0f;
+#pragma unroll 4
+  for (int64_t j = threadIdx.x; j < units; j += blockDim.x) acc = unit_dot<T>(wrow, xrow, j, acc);
 #pragma unroll
-  for (int q = 0; q < R; ++q) acc[q] = 0.0f;
-#pragma unroll(R == 1 ? 4 : 1)
-  for (int64_t j = threadIdx.x; j < units; j += blockDim.x)
-#pragma unroll
-    for (int q = 0; q < R; ++q)
-      if (q < rows) acc[q] = unit_dot<T>(wrow, x + (r0 + q) * ldx, j, acc[q]);
-#pragma unroll
-  for (int q = 0; q < R; ++q)
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[q] = __fadd_rn(acc[q], __shfl_xor_sync(0xFFFFFFFFu, acc[q], off));
-  const auto out = [&](int q) { return p.y[i] + (r0 + q) * p.ldy[i] + o; };
+  for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, off));
   if (blockDim.x == 32) {
-    if (threadIdx.x == 0)
-      for (int q = 0; q < rows; ++q) *out(q) = acc[q];
+    if (threadIdx.x == 0) *y = acc;
     return;
   }
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
-  if (lane == 0)
-#pragma unroll
-    for (int q = 0; q < R; ++q) warp_sums[q][warp] = acc[q];
+  if (lane == 0) warp_sums[warp] = acc;
   __syncthreads();
   if (warp != 0) return;
-  for (int q = 0; q < rows; ++q) {
-    float v = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[q][lane] : 0.0f;
+  float v = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[lane] : 0.0f;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-    if (lane == 0) *out(q) = v;
-  }
-}
-
-template <GgmlType T>
-void launch_rows(int rows_per_block, dim3 grid, int threads, cudaStream_t stream, const Products& p, int64_t units,
-                 const float* x, int64_t ldx, int64_t m) {
-  switch (rows_per_block) {
-    case 8: launch_dependent(float32_rows_kernel<T, 8>, grid, threads, 0, stream, p, units, x, ldx, m); break;
-    case 4: launch_dependent(float32_rows_kernel<T, 4>, grid, threads, 0, stream, p, units, x, ldx, m); break;
-    case 2: launch_dependent(float32_rows_kernel<T, 2>, grid, threads, 0, stream, p, units, x, ldx, m); break;
-    default: launch_dependent(float32_rows_kernel<T, 1>, grid, threads, 0, stream, p, units, x, ldx, m); break;
-  }
+  for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+  if (lane == 0) *y = v;
 }
 
 int unit_of(GgmlType type) {
@@ -167,20 +140,13 @@ Status float32_rows_matmul_many(GgmlType type, std::span<const Float32Matrix> ms
   const int64_t units = k / unit_of(type);
   int threads = 32;
   while (threads < 1024 && int64_t{threads} * 4 < units) threads *= 2;
-  // Rows per block: the most (up to 8) that still leave kMinBlocks blocks, so a few outputs
-  // (the mixes: 24) keep one row a block and many (the compressors: 2624) read each weight
-  // row once for 8 rows. A row's bits do not depend on it.
-  constexpr int64_t kMinBlocks = 512;
-  const int64_t outputs = p.first[p.count];
-  int per_block = 8;
-  while (per_block > 1 && (per_block > m || outputs * ((m + per_block - 1) / per_block) < kMinBlocks)) per_block /= 2;
-  const dim3 grid(static_cast<unsigned>(outputs), static_cast<unsigned>((m + per_block - 1) / per_block), 1);
+  const dim3 grid(static_cast<unsigned>(p.first[p.count]), static_cast<unsigned>(m), 1);
   if (type == GgmlType::F32)
-    launch_rows<GgmlType::F32>(per_block, grid, threads, stream, p, units, x, ldx, m);
+    launch_dependent(float32_rows_kernel<GgmlType::F32>, grid, threads, 0, stream, p, units, x, ldx);
   else if (type == GgmlType::BF16)
-    launch_rows<GgmlType::BF16>(per_block, grid, threads, stream, p, units, x, ldx, m);
+    launch_dependent(float32_rows_kernel<GgmlType::BF16>, grid, threads, 0, stream, p, units, x, ldx);
   else
-    launch_rows<GgmlType::Q8_0>(per_block, grid, threads, stream, p, units, x, ldx, m);
+    launch_dependent(float32_rows_kernel<GgmlType::Q8_0>, grid, threads, 0, stream, p, units, x, ldx);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
