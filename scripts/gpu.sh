@@ -37,7 +37,8 @@
 #              a window, a CSA and an HCA layer): profile.txt, the kernels by total time
 #              (DSV4_GPU_PROFILE_PARTS: "decode prefill batch" by default; "moe" adds ncu's
 #              sections for the wgmma expert kernels of one 4096-token layer, "decode_detail"
-#              those of a decode step's heaviest small kernels)
+#              those of a decode step's heaviest small kernels, "hc_source" hc_pre's stall
+#              samples per instruction)
 #   upstream   issue 12's check 3: llama.cpp's own converter (convert_hf_to_gguf.py, torch) turns
 #              a synthetic official checkpoint into a trunk and an MTP sidecar, and dsv4 and
 #              llama.cpp's logits on it are compared (tests/llamacpp/upstream_convert.sh; needs
@@ -48,7 +49,8 @@
 # model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu);
 # DSV4_GPU_FLASH_PARTS / _DEPTHS (the flash figures), DSV4_GPU_SPEC_DEFAULT=0 (no default-kernel
 # spec part), DSV4_GPU_INVARIANT=0 (no --batch-invariant figures), DSV4_GPU_INVARIANT_BATCHES
-# (16,64), DSV4_GPU_SPEC_RUN=0 (no dsv4 run comparison).
+# (16,64), DSV4_GPU_SPEC_RUN=0 (no dsv4 run comparison), DSV4_GPU_LANES_OFF=1 (decode again with
+# the backend's lanes off, DSV4_CUDA_LANES=0).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
 # peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
@@ -139,8 +141,13 @@ if [ "$mode" = prepare ]; then
   XZ_OPT="-6 -T${DSV4_JOBS:-2}" tar -cJf "$stage/stage.tar.xz" -C "$files" .
   (cd "$files" && ls -l . lib compat) >"$stage/contents.txt"
   rm -rf "$files"
-  stage_llama
-  stage_upstream
+  # DSV4_GPU_STAGE_PEER=0: without the peer's source and the upstream check's programs (calls
+  # without the llama and upstream steps).
+  if [ "${DSV4_GPU_STAGE_PEER:-1}" = 1 ]; then
+    stage_llama
+    stage_upstream
+  fi
+  mkdir -p "$llama_stage"
   du -sh "$stage" "$llama_stage"
   total=$(du -cb "$stage" "$llama_stage" | tail -1 | cut -f1)
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -372,6 +379,14 @@ if has flash || has serve || has spec; then
       --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
   fi
+  # DSV4_GPU_LANES_OFF=1: decode and aggregate decode at 4K with every op on one stream
+  # (DSV4_CUDA_LANES=0), beside the figures above: what the backend's lanes gain.
+  if [ "${DSV4_GPU_LANES_OFF:-0}" = 1 ] && [ -f "$flash" ]; then
+    step dsv4_nolanes 120 env DSV4_CUDA_LANES=0 "$bin/dsv4" bench -m "$flash" --backend cuda \
+      --label "flash$layers-nolanes" --parts decode,aggregate --depths 4096 --batches 16,64 --batch-depth 4096 \
+      --steps 16 --repeats 3
+    grep -a '^TABLE|' "$work/dsv4_nolanes.log" | cut -d'|' -f3-6
+  fi
   # DSV4_GPU_FLASH_NO_MTP=1: the same decode on the same layers written without the MTP block
   # (does carrying the MTP block change a trunk step?).
   if [ "${DSV4_GPU_FLASH_NO_MTP:-0}" = 1 ] && [ -f "$flash" ]; then
@@ -500,6 +515,14 @@ PY
       --section LaunchStats --log-file "$work/ncu_decode_detail.txt" "$bin/dsv4" bench -m "$prof" --backend cuda \
       --parts decode --depths 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
     [ -f "$work/ncu_decode_detail.txt" ] && cat "$work/ncu_decode_detail.txt" >>"$work/profile.txt"
+  fi
+  # "hc_source": hc_pre_kernel's warp-stall samples per SASS instruction (one launch of a
+  # decode step), into ncu_hc_source.csv in the logs: which instructions its 18 us wait on.
+  if [[ $parts == *" hc_source "* ]]; then
+    step profile_hc_source 120 ncu --clock-control none -k regex:hc_pre_kernel --launch-skip 8 --launch-count 1 \
+      --section WarpStateStats --section SourceCounters --page source --print-source sass --csv \
+      --log-file "$work/ncu_hc_source.csv" "$bin/dsv4" bench -m "$prof" --backend cuda \
+      --parts decode --depths 4096 --steps 1 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
   fi
   # The wgmma expert kernels of one 4096-token layer (cuda_bench_moe): where their time goes
   # (throughput of the SMs, L2 and L1 against peak; warp stall reasons).

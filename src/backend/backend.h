@@ -262,6 +262,20 @@ class Backend {
   virtual ScratchMark scratch_mark() const = 0;
   virtual void scratch_release(ScratchMark mark) = 0;
 
+  // Lanes: independent work of a step side by side (a device runs a layer's KV path beside
+  // its query path; one-row kernels leave most of a GPU idle). fork_lane(i) starts side lane
+  // i (1..kMaxLanes) after everything enqueued so far and sends the ops that follow to it;
+  // main_lane() sends them to the main lane again; join_lane(i) makes the main lane's
+  // following ops wait for what lane i was given. Ops on different lanes between a fork and
+  // its join must not write memory the other lane reads or writes. scratch_release,
+  // begin_step, downloads, captures and timing points join every lane first. Results are the
+  // same bits as without lanes; a backend that computes in its calls (the CPU) runs every op
+  // in order and only checks the lane number.
+  static constexpr int kMaxLanes = 1;
+  virtual Status fork_lane(int lane) { return check_lane("fork_lane", lane); }
+  virtual Status main_lane() { return Status::ok(); }
+  virtual Status join_lane(int lane) { return check_lane("join_lane", lane); }
+
   // --- dense operations (x, y are F32 [rows, cols] unless stated) --------------------------
   // y[s, o] = sum_i w[o, i] * x[s, i].
   virtual Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) = 0;
@@ -500,6 +514,12 @@ class Backend {
 
   static double host_clock_ms() {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+ protected:
+  static Status check_lane(const char* op, int lane) {
+    if (lane >= 1 && lane <= kMaxLanes) return Status::ok();
+    return Status::errorf(StatusCode::kInvalidArgument, "{}: lane {} (side lanes are 1..{})", op, lane, kMaxLanes);
   }
 };
 

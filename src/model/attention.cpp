@@ -12,25 +12,15 @@ using backend::Tensor;
 
 // §3.1: Q and KV paths, the entries this step completes (§3.3), the indexer's selection
 // (§3.6), one joint softmax with the sink over window and compressed keys, the window ring
-// update, de-rotation and the grouped output.
+// update, de-rotation and the grouped output. The KV path and the compressors read only x:
+// they run on a side lane beside the query path (backend.h's lanes; the same bits).
 Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, const Step& step) const {
   const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
   const backend::StepRows& rows = step.rows;
   const int64_t n = rows.n, hd = c.head_dim, heads = c.n_heads;
 
-  DSV4_ASSIGN_OR_RETURN(Tensor qr, f32({n, static_cast<int64_t>(c.q_lora_rank)}));
-  DSV4_TRY(be.matmul(bw.q_a, x, qr, opt.matmul));
-  DSV4_TRY(be.rms_norm(qr, &bw.q_a_norm, c.rms_eps, qr.cols(), qr));
-  DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * hd}));
-  DSV4_TRY(be.matmul(bw.q_b, qr, q, opt.matmul));
-  backend::RowFinish q_finish;  // per head: unweighted RMSNorm, RoPE
-  q_finish.group = hd;
-  q_finish.norm = true;
-  q_finish.eps = c.rms_eps;
-  q_finish.rope = &layer.rope;
-  DSV4_TRY(be.finish_rows(q, rows.positions, q_finish));
-
+  DSV4_TRY(side_lane(step));
   DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, hd}));
   DSV4_TRY(be.matmul(bw.kv, x, kv, opt.matmul));
   backend::RowFinish kv_finish;  // RMSNorm, RoPE, the QAT rounding of the non-rotated dims
@@ -51,13 +41,13 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
   keys.window = c.sliding_window;
   keys.ring = cache.ring(layer.ring);
   keys.chunk = kv;
+  Tensor head_weights;
   if (layer.ratio) {
     // The layer's fp32 products of x (§3.3, §3.6): each compressor's values and scores and
     // the indexer's head weights, in one call.
     DSV4_ASSIGN_OR_RETURN(const CompressorInput kv_in, compressor_input(bw.compressor, n));
     std::vector<const Tensor*> ws{&bw.compressor.kv, &bw.compressor.gate}, ys{&kv_in.kv, &kv_in.score};
     CompressorInput key_in;
-    Tensor head_weights;
     if (layer.indexer) {
       DSV4_ASSIGN_OR_RETURN(key_in, compressor_input(bw.index_compressor, n));
       DSV4_ASSIGN_OR_RETURN(head_weights, f32({n, static_cast<int64_t>(c.index_heads)}));
@@ -72,11 +62,30 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
     DSV4_TRY(compress(layer, bw.compressor, false, layer.kv_state, layer.kv_list, kv_in, step));
     keys.ratio = layer.ratio;
     keys.entries = cache.list(layer.kv_list);
-    if (layer.indexer) {
-      DSV4_ASSIGN_OR_RETURN(keys.selected, i32({n, static_cast<int64_t>(c.index_topk)}));
-      DSV4_TRY(indexer(layer, head_weights, qr, step, keys.selected));
-      DSV4_TRY(note(b, "index_topk", keys.selected));
-    }
+  }
+
+  DSV4_TRY(be.main_lane());
+  DSV4_ASSIGN_OR_RETURN(Tensor qr, f32({n, static_cast<int64_t>(c.q_lora_rank)}));
+  DSV4_TRY(be.matmul(bw.q_a, x, qr, opt.matmul));
+  DSV4_TRY(be.rms_norm(qr, &bw.q_a_norm, c.rms_eps, qr.cols(), qr));
+  DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * hd}));
+  DSV4_TRY(be.matmul(bw.q_b, qr, q, opt.matmul));
+  backend::RowFinish q_finish;  // per head: unweighted RMSNorm, RoPE
+  q_finish.group = hd;
+  q_finish.norm = true;
+  q_finish.eps = c.rms_eps;
+  q_finish.rope = &layer.rope;
+  DSV4_TRY(be.finish_rows(q, rows.positions, q_finish));
+  Tensor index_q;
+  if (layer.indexer) {
+    DSV4_ASSIGN_OR_RETURN(index_q, indexer_query(layer, qr, step));
+  }
+  DSV4_TRY(be.join_lane(1));
+
+  if (layer.indexer) {
+    DSV4_ASSIGN_OR_RETURN(keys.selected, i32({n, static_cast<int64_t>(c.index_topk)}));
+    DSV4_TRY(indexer(layer, index_q, head_weights, step, keys.selected));
+    DSV4_TRY(note(b, "index_topk", keys.selected));
   }
   DSV4_ASSIGN_OR_RETURN(Tensor o, f32({n, heads * hd}));
   DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o, opt.matmul));
@@ -145,16 +154,14 @@ Status ForwardPass::compress(const LayerPlan& layer, const CompressorWeights& cw
   return be.store_entries(pooled, layer.ratio, rows, cache.list(list));
 }
 
-// §3.6: indexer queries (RoPE, Hadamard, FP4), head weights (x Wproj^T in fp32, given),
-// scores over each row's visible keys, and the top-k.
-Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& weights, const Tensor& qr, const Step& step,
-                            const Tensor& idx) const {
+// §3.6: the indexer's queries from qr (index_q_b, then per head RoPE, the Hadamard rotation
+// and the QAT rounding).
+Result<Tensor> ForwardPass::indexer_query(const LayerPlan& layer, const Tensor& qr, const Step& step) const {
   const BlockWeights& bw = w.blocks[layer.block];
-  const backend::StepRows& rows = step.rows;
-  const int64_t n = rows.n, heads = c.index_heads, dk = c.index_head_dim;
-  DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * dk}));
+  const int64_t n = step.rows.n, dk = c.index_head_dim;
+  DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, static_cast<int64_t>(c.index_heads) * dk}));
   DSV4_TRY(be.matmul(bw.index_q_b, qr, q, opt.matmul));
-  backend::RowFinish q_finish;  // per head: RoPE, the Hadamard rotation, the QAT rounding
+  backend::RowFinish q_finish;
   q_finish.group = dk;
   q_finish.rope = &layer.rope;
   q_finish.hadamard = true;
@@ -162,7 +169,16 @@ Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& weights, const
     q_finish.round = backend::QatRounding::Fp4;
     q_finish.round_block = 32;
   }
-  DSV4_TRY(be.finish_rows(q, rows.positions, q_finish));
+  DSV4_TRY(be.finish_rows(q, step.rows.positions, q_finish));
+  return q;
+}
+
+// §3.6: the head weights (x Wproj^T in fp32, given) scaled, scores of the queries q over
+// each row's visible keys, and the top-k.
+Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& q, const Tensor& weights, const Step& step,
+                            const Tensor& idx) const {
+  const backend::StepRows& rows = step.rows;
+  const int64_t n = rows.n, heads = c.index_heads, dk = c.index_head_dim;
   DSV4_TRY(be.scale(weights, static_cast<float>(1.0 / std::sqrt(double(dk)) / std::sqrt(double(heads)))));
 
   // Scores for as many keys as the furthest row sees; each row's own count is on the device.

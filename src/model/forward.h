@@ -89,10 +89,18 @@ struct ForwardPass {
   // they complete (normed, rotated, QAT-rounded) in the cache list `list`.
   Status compress(const LayerPlan& layer, const CompressorWeights& cw, bool indexer, int32_t state,
                   int32_t list, const CompressorInput& in, const Step& step) const;
-  // §3.6: the lightning indexer's top-k entries per row into idx I32 [n, top-k]; weights:
-  // the head weights x Wproj^T (F32 [n, heads]), scaled here.
-  Status indexer(const LayerPlan& layer, const backend::Tensor& weights, const backend::Tensor& qr,
+  // §3.6: the lightning indexer's queries from qr (F32 [n, heads * dk]), then its top-k
+  // entries per row into idx I32 [n, top-k]; weights: the head weights x Wproj^T (F32
+  // [n, heads]), scaled there.
+  Result<backend::Tensor> indexer_query(const LayerPlan& layer, const backend::Tensor& qr, const Step& step) const;
+  Status indexer(const LayerPlan& layer, const backend::Tensor& q, const backend::Tensor& weights,
                  const Step& step, const backend::Tensor& idx) const;
+
+  // Steps of up to kLaneMaxRows rows put independent work on side lane 1 (backend.h's lanes):
+  // one-row kernels leave most of a GPU idle; more rows' products fill it alone.
+  static constexpr int64_t kLaneMaxRows = 64;
+  bool lanes(const Step& step) const { return step.rows.n <= kLaneMaxRows; }
+  Status side_lane(const Step& step) const { return lanes(step) ? be.fork_lane(1) : Status::ok(); }
 
   // V4.1 (forward_v41.cpp; shared/spec/deepseek-v41.md). `v41` must be set up by
   // v41_begin before the first block.

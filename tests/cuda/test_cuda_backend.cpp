@@ -175,6 +175,37 @@ TEST_F(CudaBackendOps, ScratchPoisonedAndAddressesRepeat) {
   }
 }
 
+// Lanes (backend.h): what a side lane writes reaches the main lane's ops after join_lane, and
+// the fork delay the model tests use does expose a missing join: with a 50 ms spin at the
+// fork, a main-lane copy enqueued without the join reads the tensor before the side lane's
+// fill (its old contents), one enqueued after the join reads the fill. Released scratch and a
+// download join by themselves.
+TEST_F(CudaBackendOps, LanesJoinAndADelayExposesAMissingOne) {
+  backend::CudaBackendOptions o;
+  o.lane_delay_us = 50000;
+  auto be = backend::CudaBackend::create(o);
+  ASSERT_TRUE(be.is_ok()) << be.status().message();
+  backend::CudaBackend& g = **be;
+  const auto run = [&](bool join) {
+    g.begin_step();
+    auto t = g.alloc(GgmlType::F32, dims({64, 256}));
+    auto u = g.alloc(GgmlType::F32, dims({64, 256}));
+    EXPECT_TRUE(t.is_ok() && u.is_ok());
+    EXPECT_TRUE(g.fill(*t, 2.0f).is_ok());
+    EXPECT_TRUE(g.fork_lane(1).is_ok());
+    EXPECT_TRUE(g.fill(*t, 1.0f).is_ok());
+    EXPECT_TRUE(g.main_lane().is_ok());
+    if (join) EXPECT_TRUE(g.join_lane(1).is_ok());
+    EXPECT_TRUE(g.copy_rows(*t, *u).is_ok());
+    std::vector<float> host(64 * 256);
+    EXPECT_TRUE(g.download(*u, host.data(), host.size() * 4).is_ok());
+    return host[0];
+  };
+  EXPECT_EQ(run(true), 1.0f) << "joined: the side lane's fill";
+  EXPECT_EQ(run(false), 2.0f) << "not joined: the copy ran during the side lane's spin";
+  EXPECT_FALSE(g.fork_lane(2).is_ok());
+}
+
 TEST_F(CudaBackendOps, DeviceErrorsReachTheNextDownload) {
   const Both table = f32({5, 8}, std::vector<float>(40, 1.0f));
   const Both ids = i32({3}, {0, 5, 2});

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <span>
@@ -125,12 +126,12 @@ class CudaModel : public ::testing::Test {
   }
   void SetUp() override { ASSERT_TRUE(gpu_) << "no CUDA backend"; }
 
-  static std::unique_ptr<Model> load(backend::Backend& be, bool qat, MatmulMode mode) {
+  static std::unique_ptr<Model> load(backend::Backend& be, bool qat, MatmulMode mode, const std::string& path = path_) {
     ModelOptions mo;
     mo.qat = qat;
     mo.matmul = mode;
     mo.cache.max_sequences = 8;
-    auto m = Model::load(path_, be, mo);
+    auto m = Model::load(path, be, mo);
     EXPECT_TRUE(m.is_ok()) << m.status().message();
     return m.is_ok() ? std::move(m).value() : nullptr;
   }
@@ -380,6 +381,65 @@ TEST_F(CudaModel, QuantizedCloseToCpu) {
     }
     EXPECT_GE(2 * agree, rows) << "quantized, qat " << (qat ? "on" : "off") << ": argmax agrees on " << agree << " of "
                                << rows << " rows";
+  }
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Backend lanes (backend.h: a layer's KV path, compressors and shared expert on a second
+// stream in steps of up to 64 rows) change no bit: the scenarios' logits with lanes on, off,
+// and on with a 300 us spin at every fork on the side lane (a missing join lets the main lane
+// read what the side lane has not written yet) or on the main lane (a side lane reading
+// main-lane work it did not wait for), in both numerics; the same with BF16 dense weights,
+// whose 17-64-row products take the side lane's own cuBLASLt buffers (the 30-row chunk).
+TEST_F(CudaModel, LanesChangeNoBit) {
+  EXPECT_EQ(gpu_->fork_lane(0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->join_lane(backend::Backend::kMaxLanes + 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu_->fork_lane(2).code(), StatusCode::kInvalidArgument);
+  std::vector<std::unique_ptr<backend::CudaBackend>> others;
+  const std::vector<std::string> names = {"lanes off", "side lane delayed", "main lane delayed"};
+  for (int v = 0; v < 3; ++v) {
+    backend::CudaBackendOptions o;
+    o.lanes = v != 0;
+    o.lane_delay_us = v == 0 ? 0 : 300;
+    o.lane_delay_main = v == 2;
+    auto g = backend::CudaBackend::create(o);
+    ASSERT_TRUE(g.is_ok()) << g.status().message();
+    others.push_back(std::move(g).value());
+  }
+  SynthOptions so;
+  so.config = tiny_config();
+  so.config.vocab_size = kVocab;
+  so.config.context_length = 256;
+  so.seed = 11;
+  so.write_tokenizer = false;
+  so.expert_type = GgmlType::Q8_0;
+  so.dense_type = GgmlType::BF16;
+  const std::string bf16_path = (dir_->path() / "tiny-bf16.gguf").string();
+  ASSERT_TRUE(write_synthetic_model(bf16_path, so).is_ok());
+  struct Case {
+    const char* what;
+    bool qat;
+    MatmulMode mode;
+    std::string path;
+  };
+  for (const Case& k : {Case{"exact, qat on", true, MatmulMode::Exact, path_},
+                        Case{"quantized, qat on", true, MatmulMode::Quantized, path_},
+                        Case{"quantized, qat off, bf16 weights", false, MatmulMode::Quantized, bf16_path}}) {
+    auto base = load(*gpu_, k.qat, k.mode, k.path);
+    ASSERT_TRUE(base);
+    const Scenarios want = run(*base);
+    for (int v = 0; v < 3; ++v) {
+      auto m = load(*others[v], k.qat, k.mode, k.path);
+      ASSERT_TRUE(m);
+      const Scenarios got = run(*m);
+      for (size_t i = 0; i < 4; ++i) {
+        ASSERT_FALSE(parts(want)[i]->empty());
+        EXPECT_TRUE(same_bits(*parts(got)[i], *parts(want)[i])) << k.what << ", " << names[v] << ", " << kNames[i];
+      }
+    }
   }
 }
 

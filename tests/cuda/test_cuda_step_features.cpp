@@ -215,6 +215,34 @@ TEST_F(CudaStepFeatures, GraphReplayedDecodeMatchesTheCpu) {
   }
 }
 
+// Graph-recorded decode steps with lanes (a fork and a join per sublayer inside the graph)
+// replay the tokens of a backend without lanes, also with a spin at every fork on either
+// lane, greedy and sampled.
+TEST_F(CudaStepFeatures, GraphsWithLanesReplayTheTokensWithout) {
+  backend::CudaBackendOptions off;
+  off.lanes = false;
+  auto plain = backend::CudaBackend::create(off);
+  ASSERT_TRUE(plain.is_ok()) << plain.status().message();
+  auto want_model = load(**plain);
+  ASSERT_TRUE(want_model);
+  for (bool delay_main : {false, true}) {
+    backend::CudaBackendOptions o;
+    o.lane_delay_us = 200;
+    o.lane_delay_main = delay_main;
+    auto delayed = backend::CudaBackend::create(o);
+    ASSERT_TRUE(delayed.is_ok()) << delayed.status().message();
+    auto m = load(**delayed);
+    ASSERT_TRUE(m);
+    for (bool greedy : {true, false}) {
+      const auto want = sampled_run(*want_model, greedy);
+      ASSERT_EQ(want.size(), 36u);
+      EXPECT_EQ(sampled_run(*m, greedy), want) << (delay_main ? "main" : "side") << " lane delayed, "
+                                               << (greedy ? "greedy" : "sampled");
+      EXPECT_EQ(sampled_run(*load(*gpu_), greedy), want) << "lanes (no delay), " << (greedy ? "greedy" : "sampled");
+    }
+  }
+}
+
 // A scratch arena of many chunks (a 64 KB first chunk): the decode step that outgrew it is
 // recorded without allocating (begin_step does not merge chunks while capturing), and a
 // prefill that grows the arena after the graphs exist leaves their memory in place (no merge

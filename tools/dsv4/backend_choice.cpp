@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 
 #include "backend/cpu/cpu_backend.h"
 #ifdef DSV4_HAVE_CUDA
@@ -99,6 +100,9 @@ Result<ChosenBackend> make_backend(const BackendFlags& flags, const char* comman
 #ifdef DSV4_HAVE_CUDA
   backend::CudaBackendOptions options;
   options.batch_invariant = flags.batch_invariant;
+  // DSV4_CUDA_LANES=0: every op on one stream (docs/CUDA.md, "Lanes"), for measuring them.
+  if (const char* lanes = std::getenv("DSV4_CUDA_LANES"); lanes != nullptr && std::string_view(lanes) == "0")
+    options.lanes = false;
   if (isatty(STDERR_FILENO)) {
     options.on_upload_progress = [command, last = -1](uint64_t done, uint64_t total) mutable {
       const int percent = total ? static_cast<int>(100 * done / total) : 100;

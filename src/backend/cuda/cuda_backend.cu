@@ -441,21 +441,47 @@ bool same_rope(const RopeParams& a, const RopeParams& b) {
 // ---- Impl ---------------------------------------------------------------------------------------
 
 CudaBackend::Impl::~Impl() {
-  if (stream) cudaStreamSynchronize(stream);
+  for (const Lane& l : lanes)
+    if (l.stream) cudaStreamSynchronize(l.stream);
   for (auto& [id, exec] : graphs) cudaGraphExecDestroy(exec);
   for (const Chunk& c : chunks) cudaFree(c.ptr);
   for (const RopeTable& t : rope_tables) cudaFree(t.omega);
-  for (const Reusable* r : {&bf16_weights, &bf16_activations})
-    if (r->ptr) cudaFree(r->ptr);
+  for (Lane& l : lanes) {
+    LaneWork& w = l.work;
+    for (const Reusable* r : {&w.bf16_weights, &w.bf16_activations, &w.f32_weights, &w.cublas_lt_workspace})
+      if (r->ptr) cudaFree(r->ptr);
+  }
   if (pinned) cudaFreeHost(pinned);
   if (host_errors) cudaFreeHost(host_errors);
   if (device_errors) cudaFree(device_errors);
   for (cudaEvent_t e : half_done)
     if (e) cudaEventDestroy(e);
-  if (cublas_lt_workspace) cudaFree(cublas_lt_workspace);
   if (cublas_lt) cublasLtDestroy(cublas_lt);
   if (cublas) cublasDestroy(cublas);
-  if (stream) cudaStreamDestroy(stream);
+  for (const Lane& l : lanes) {
+    if (l.fork) cudaEventDestroy(l.fork);
+    if (l.join) cudaEventDestroy(l.join);
+    if (l.stream) cudaStreamDestroy(l.stream);
+  }
+}
+
+Status CudaBackend::Impl::join_all() {
+  for (int i = 1; i <= Backend::kMaxLanes; ++i) {
+    Lane& l = lanes[i];
+    if (!l.pending) continue;
+    DSV4_CUDA_TRY(cudaEventRecord(l.join, l.stream));
+    DSV4_CUDA_TRY(cudaStreamWaitEvent(main_stream(), l.join, 0));
+    l.pending = false;
+  }
+  lane = 0;
+  stream = main_stream();
+  return Status::ok();
+}
+
+Status CudaBackend::Impl::wait_all() {
+  for (const Lane& l : lanes)
+    if (l.stream) DSV4_CUDA_TRY(cudaStreamSynchronize(l.stream));
+  return Status::ok();
 }
 
 Result<void*> CudaBackend::Impl::scratch_bytes(size_t bytes) {
@@ -489,7 +515,7 @@ Result<void*> CudaBackend::Impl::scratch_bytes(size_t bytes) {
 
 Result<void*> CudaBackend::Impl::reusable(Reusable& r, size_t bytes) {
   if (r.bytes >= bytes && r.ptr != nullptr) return r.ptr;
-  DSV4_CUDA_TRY(cudaStreamSynchronize(stream));  // nothing queued may still use the old buffer
+  DSV4_TRY(wait_all());  // nothing queued may still use the old buffer
   if (r.ptr) DSV4_CUDA_TRY(cudaFree(r.ptr));
   r.ptr = nullptr;
   r.bytes = 0;
@@ -509,7 +535,7 @@ Status CudaBackend::Impl::stage_upload(void* device, const void* host, size_t by
   if (bytes == 0) return Status::ok();
   const size_t want = std::min(kPinnedMax, std::max(kPinnedMin, align_up(2 * bytes, kAlign)));
   if (pinned_bytes < want) {  // grow: nothing may still read the old buffer
-    DSV4_CUDA_TRY(cudaStreamSynchronize(stream));
+    DSV4_TRY(wait_all());
     if (pinned) DSV4_CUDA_TRY(cudaFreeHost(pinned));
     pinned = nullptr;
     pinned_bytes = 0;
@@ -521,7 +547,7 @@ Status CudaBackend::Impl::stage_upload(void* device, const void* host, size_t by
   for (size_t done = 0; done < bytes;) {
     const size_t piece = std::min(bytes - done, piece_max);
     if (pinned_used + piece > pinned_bytes) {  // the ring is full: wait for its copies
-      DSV4_CUDA_TRY(cudaStreamSynchronize(stream));
+      DSV4_TRY(wait_all());
       pinned_used = 0;
     }
     uint8_t* at = static_cast<uint8_t*>(pinned) + pinned_used;
@@ -541,8 +567,13 @@ Result<const float*> CudaBackend::Impl::rope_omega(const RopeParams& p) {
   DSV4_CUDA_TRY(cudaMalloc(&d, std::max<size_t>(omega.size(), 1) * sizeof(float)));
   rope_tables.push_back({p, static_cast<float*>(d)});
   // On the backend's stream (a non-blocking stream does not wait for the legacy one); a
-  // pageable source is staged before the call returns.
+  // pageable source is staged before the call returns. Every lane may read the table next:
+  // from a side lane, the main lane waits for the copy.
   DSV4_CUDA_TRY(cudaMemcpyAsync(d, omega.data(), omega.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  if (lane != 0) {
+    DSV4_CUDA_TRY(cudaEventRecord(lanes[lane].join, stream));
+    DSV4_CUDA_TRY(cudaStreamWaitEvent(main_stream(), lanes[lane].join, 0));
+  }
   return static_cast<const float*>(d);
 }
 
@@ -595,12 +626,18 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   m.device = options.device;
   m.sms = info.sm_count;
   DSV4_CUDA_TRY(cudaSetDevice(options.device));
-  DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  for (Impl::Lane& l : m.lanes) {
+    DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking));
+    DSV4_CUDA_TRY(cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming));
+    DSV4_CUDA_TRY(cudaEventCreateWithFlags(&l.join, cudaEventDisableTiming));
+  }
+  m.stream = m.main_stream();
   DSV4_CUBLAS_TRY(cublasCreate(&m.cublas));
   DSV4_CUBLAS_TRY(cublasSetStream(m.cublas, m.stream));
   DSV4_CUBLAS_TRY(cublasSetMathMode(m.cublas, CUBLAS_PEDANTIC_MATH));  // no TF32
   DSV4_CUBLAS_TRY(cublasLtCreate(&m.cublas_lt));
-  DSV4_CUDA_TRY(cudaMalloc(&m.cublas_lt_workspace, cuda::kCublasLtWorkspaceBytes));
+  DSV4_ASSIGN_OR_RETURN(void* workspace, m.cublas_lt_workspace());
+  (void)workspace;
   DSV4_CUDA_TRY(cudaMalloc(&m.device_errors, sizeof(uint32_t)));
   DSV4_CUDA_TRY(cudaMemset(m.device_errors, 0, sizeof(uint32_t)));
   DSV4_CUDA_TRY(cudaMallocHost(&m.host_errors, sizeof(uint32_t)));
@@ -641,12 +678,71 @@ static_assert(cuda::kCublasLtWorkspaceBytes == kDeviceWorkspaceBytes, "backend.h
 
 DeviceMemoryState CudaBackend::device_memory() const {
   const DeviceMemory m = memory();
-  return {m.free_bytes, m.scratch_bytes + cuda::kCublasLtWorkspaceBytes};
+  uint64_t work = 0;  // every lane's workspace and buffers
+  for (const Impl::Lane& l : impl_->lanes)
+    for (const Impl::Reusable* r :
+         {&l.work.bf16_weights, &l.work.bf16_activations, &l.work.f32_weights, &l.work.cublas_lt_workspace})
+      work += r->bytes;
+  return {m.free_bytes, m.scratch_bytes + work};
 }
 
 Status CudaBackend::synchronize() {
+  DSV4_TRY(impl_->join_all());
   DSV4_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
   return Status::ok();
+}
+
+// ---- lanes ------------------------------------------------------------------------------------------
+
+namespace {
+
+// Spins for `us` microseconds of the device's clock (CudaBackendOptions::lane_delay_us).
+__global__ void lane_delay_kernel(uint64_t us) {
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < us * 1000);
+}
+
+}  // namespace
+
+Status CudaBackend::fork_lane(int lane) {
+  DSV4_TRY(check_lane("cuda fork_lane", lane));
+  Impl& m = *impl_;
+  if (!m.options.lanes) return Status::ok();
+  Impl::Lane& l = m.lanes[lane];
+  DSV4_CUDA_TRY(cudaEventRecord(l.fork, m.main_stream()));
+  DSV4_CUDA_TRY(cudaStreamWaitEvent(l.stream, l.fork, 0));
+  l.pending = true;
+  m.lane = lane;
+  m.stream = l.stream;
+  if (m.options.lane_delay_us > 0) {
+    lane_delay_kernel<<<1, 1, 0, m.options.lane_delay_main ? m.main_stream() : l.stream>>>(
+        static_cast<uint64_t>(m.options.lane_delay_us));
+    DSV4_CUDA_TRY_LAUNCH();
+  }
+  return Status::ok();
+}
+
+Status CudaBackend::main_lane() {
+  Impl& m = *impl_;
+  m.lane = 0;
+  m.stream = m.main_stream();
+  return Status::ok();
+}
+
+Status CudaBackend::join_lane(int lane) {
+  DSV4_TRY(check_lane("cuda join_lane", lane));
+  Impl& m = *impl_;
+  Impl::Lane& l = m.lanes[lane];
+  if (l.pending) {
+    DSV4_CUDA_TRY(cudaEventRecord(l.join, l.stream));
+    DSV4_CUDA_TRY(cudaStreamWaitEvent(m.main_stream(), l.join, 0));
+    l.pending = false;
+  }
+  return main_lane();
 }
 
 // ---- memory -----------------------------------------------------------------------------------------
@@ -701,7 +797,7 @@ Result<Tensor> CudaBackend::weight(const gguf::TensorInfo& info) {
   const size_t size = align_up(n, kAlign);
   if (size > n) DSV4_CUDA_TRY(cudaMemsetAsync(static_cast<uint8_t*>(t.data) + n, 0, size - n, m.stream));
   // The staging buffer's two halves in turn: the host fills one while the other is copied.
-  DSV4_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  DSV4_TRY(m.wait_all());
   m.pinned_used = 0;
   if (m.pinned_bytes < kPinnedMax) {
     if (m.pinned) DSV4_CUDA_TRY(cudaFreeHost(m.pinned));
@@ -742,6 +838,7 @@ Status CudaBackend::download(const Tensor& src, void* host, size_t bytes) {
   if (bytes > tensor_bytes(src))
     return Status::errorf("cuda download: {} bytes from {} ({} bytes)", bytes, src.describe(), tensor_bytes(src));
   Impl& m = *impl_;
+  DSV4_TRY(m.join_all());
   if (bytes > 0) DSV4_CUDA_TRY(cudaMemcpyAsync(host, src.data, bytes, cudaMemcpyDeviceToHost, m.stream));
   DSV4_CUDA_TRY(cudaMemcpyAsync(m.host_errors, m.device_errors, sizeof(uint32_t), cudaMemcpyDeviceToHost, m.stream));
   DSV4_CUDA_TRY(cudaMemsetAsync(m.device_errors, 0, sizeof(uint32_t), m.stream));
@@ -792,6 +889,7 @@ Status CudaBackend::fill(const Tensor& t, float value) {
 
 void CudaBackend::begin_step() {
   Impl& m = *impl_;
+  if (!m.join_all().is_ok()) cudaGetLastError();  // a failed record shows at the next launch check
   // One chunk of the total from now on, but never while a graph is being recorded (no
   // allocation may happen then: the step that needed the chunks ran just before and its
   // recording needs the same) nor once any graph holds the chunks' addresses (freeing them
@@ -830,6 +928,8 @@ void CudaBackend::begin_step() {
 Backend::ScratchMark CudaBackend::scratch_mark() const { return {impl_->chunk, impl_->chunk_used}; }
 
 void CudaBackend::scratch_release(ScratchMark mark) {
+  // The released scratch is handed out again: what a side lane was given reads or writes it.
+  if (!impl_->join_all().is_ok()) cudaGetLastError();
   impl_->chunk = mark.chunk;
   impl_->chunk_used = mark.offset;
 }
@@ -923,9 +1023,10 @@ Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<f
   const int64_t rows = x.rows, n = w.n, k = w.k;
   const bool in_place = w.type == GgmlType::F32 && w.row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
   const int64_t chunk = in_place ? n : std::min(n, std::max<int64_t>(1, (int64_t{128} << 20) / (k * 4)));
+  DSV4_ASSIGN_OR_RETURN(void* workspace, m.cublas_lt_workspace());
   float* decoded = nullptr;
   if (!in_place) {
-    DSV4_ASSIGN_OR_RETURN(void* raw, m.reusable(m.f32_weights, static_cast<size_t>(chunk * k) * sizeof(float)));
+    DSV4_ASSIGN_OR_RETURN(void* raw, m.reusable(m.work().f32_weights, static_cast<size_t>(chunk * k) * sizeof(float)));
     decoded = static_cast<float*>(raw);
   }
   const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs, m.iq_tables};
@@ -944,7 +1045,7 @@ Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<f
       wt = decoded;
       ldw = k;
     }
-    DSV4_TRY(cuda::gemm_f32(m.cublas_lt, x.p, x.ld, wt, ldw, y.p + o0, y.ld, rows, nc, k, m.cublas_lt_workspace,
+    DSV4_TRY(cuda::gemm_f32(m.cublas_lt, x.p, x.ld, wt, ldw, y.p + o0, y.ld, rows, nc, k, workspace,
                             cuda::kCublasLtWorkspaceBytes, m.stream));
   }
   return Status::ok();
@@ -956,7 +1057,8 @@ Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<f
 // a contiguous [rows, n] with n a multiple of 8 and one chunk covers it.
 Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y) {
   const int64_t rows = x.rows, n = w.n, k = w.k;
-  DSV4_ASSIGN_OR_RETURN(void* a_raw, m.reusable(m.bf16_activations, static_cast<size_t>(rows * k) * sizeof(__nv_bfloat16)));
+  DSV4_ASSIGN_OR_RETURN(void* workspace, m.cublas_lt_workspace());
+  DSV4_ASSIGN_OR_RETURN(void* a_raw, m.reusable(m.work().bf16_activations, static_cast<size_t>(rows * k) * sizeof(__nv_bfloat16)));
   auto* a = static_cast<__nv_bfloat16*>(a_raw);
   cuda::launch_dependent(f32_to_bf16_rows_kernel, cudaops::row_tile_grid(rows, k), cudaops::kRowTileThreads, 0,
                          m.stream, x, a);
@@ -964,7 +1066,7 @@ Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float
   const int64_t by_bytes = std::max<int64_t>(64, ((int64_t{256} << 20) / (k * 2)) / 64 * 64);
   const int64_t chunk = std::min(by_bytes, (n + 7) / 8 * 8);
   const bool direct = chunk >= n && n % 8 == 0 && y.ld == n && reinterpret_cast<uintptr_t>(y.p) % kAlign == 0;
-  DSV4_ASSIGN_OR_RETURN(void* wb_raw, m.reusable(m.bf16_weights, static_cast<size_t>(chunk * k) * sizeof(__nv_bfloat16)));
+  DSV4_ASSIGN_OR_RETURN(void* wb_raw, m.reusable(m.work().bf16_weights, static_cast<size_t>(chunk * k) * sizeof(__nv_bfloat16)));
   float* c = y.p;
   if (!direct) {
     DSV4_ASSIGN_OR_RETURN(void* c_raw, m.scratch_bytes(static_cast<size_t>(rows * chunk) * sizeof(float)));
@@ -988,7 +1090,7 @@ Status gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float
     if (padded > nc && wt == wb)
       DSV4_CUDA_TRY(cudaMemsetAsync(wb + nc * k, 0, static_cast<size_t>((padded - nc) * k) * sizeof(__nv_bfloat16),
                                     m.stream));
-    DSV4_TRY(cuda::gemm_bf16(m.cublas_lt, a, wt, c, rows, padded, k, m.cublas_lt_workspace,
+    DSV4_TRY(cuda::gemm_bf16(m.cublas_lt, a, wt, c, rows, padded, k, workspace,
                              cuda::kCublasLtWorkspaceBytes, m.stream));
     if (!direct) DSV4_TRY(copy_matrix(m, y.p + o0, y.ld, c, padded, rows, nc));
   }

@@ -1,5 +1,6 @@
 // The CUDA backend: every Backend operation on one Hopper GPU (sm_90a), all of a step's
-// work enqueued on one stream with no host synchronisation until a download. Weights are
+// work enqueued on one stream (and a second for the step's side lane, Backend::fork_lane)
+// with no host synchronisation until a download. Weights are
 // uploaded once at load; caches and scratch live in device memory.
 //
 // Numerics (MatmulMode, backend.h):
@@ -39,6 +40,15 @@ struct CudaBackendOptions {
   // sequences, or MTP speculation's verify rows), at some speed (docs/PERFORMANCE.md). The
   // kernel choice is process-wide: set here, it holds for every backend of the process.
   bool batch_invariant = false;
+  // Backend lanes on a second stream (fork_lane / join_lane): a layer's KV path and
+  // compressors beside its query path, the shared expert beside the routed ones. Off: every
+  // op on one stream (the same bits; for measuring what the lanes gain).
+  bool lanes = true;
+  // Tests: a kernel that spins this many microseconds at every fork, on the side lane (a
+  // missing join shows as the main lane reading results not yet written) or, with
+  // lane_delay_main, on the main lane (a side lane reading main-lane work it did not wait for).
+  int lane_delay_us = 0;
+  bool lane_delay_main = false;
   // Called during weight upload with (bytes done, bytes total); empty: quiet.
   std::function<void(uint64_t, uint64_t)> on_upload_progress;
 };
@@ -57,7 +67,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }
-  cudaStream_t stream() const;
+  cudaStream_t stream() const;  // the current lane's
   DeviceMemory memory() const;
   DeviceMemoryState device_memory() const override;  // free bytes, scratch + workspace held
   // Waits for everything enqueued so far (downloads do this themselves).
@@ -74,6 +84,9 @@ class CudaBackend final : public Backend {
   Result<Tensor> scratch(GgmlType type, std::span<const int64_t> shape) override;
   ScratchMark scratch_mark() const override;
   void scratch_release(ScratchMark mark) override;
+  Status fork_lane(int lane) override;
+  Status main_lane() override;
+  Status join_lane(int lane) override;
 
   Status matmul(const Tensor& w, const Tensor& x, const Tensor& y, MatmulMode mode) override;
   Status matmul_grouped(const Tensor& w, const Tensor& x, const Tensor& y, int64_t groups, MatmulMode mode) override;

@@ -15,6 +15,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/gemm_prefill.h"
 #include "backend/cuda/row_finish.cuh"
 #include "gguf/quant_decode.h"
 
@@ -42,10 +43,11 @@ struct CudaBackend::Impl {
   CudaBackendOptions options;
   int device = 0;
   int sms = 0;  // multiprocessors
+  // The stream ops enqueue on: the main lane's, or a side lane's between fork_lane and
+  // main_lane / join_lane (Backend's lanes).
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   cublasLtHandle_t cublas_lt = nullptr;
-  void* cublas_lt_workspace = nullptr;  // cuda::kCublasLtWorkspaceBytes
 
   // Step scratch: bump allocation (256-byte aligned) in device chunks. begin_step() rewinds
   // and, when a step spilled into several chunks, replaces them by one of their total
@@ -94,7 +96,31 @@ struct CudaBackend::Impl {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  Reusable bf16_weights, bf16_activations, f32_weights;
+  // One set per lane: ops of two lanes may run at the same time. The main lane's cuBLASLt
+  // workspace is allocated at create(); a side lane's on its first product that needs one.
+  struct LaneWork {
+    Reusable bf16_weights, bf16_activations, f32_weights, cublas_lt_workspace;
+  };
+
+  // Lanes (Backend::fork_lane): index 0 is the main lane. A side lane's stream waits for
+  // the main stream's `fork` event; the main stream waits for its `join` event.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+    bool pending = false;  // forked and not joined since
+    LaneWork work;
+  };
+  Lane lanes[Backend::kMaxLanes + 1];
+  int lane = 0;  // the lane ops go to now
+  cudaStream_t main_stream() const { return lanes[0].stream; }
+  LaneWork& work() { return lanes[lane].work; }
+  // The current lane's cuBLASLt workspace (cuda::kCublasLtWorkspaceBytes).
+  Result<void*> cublas_lt_workspace() { return reusable(work().cublas_lt_workspace, cuda::kCublasLtWorkspaceBytes); }
+  // Every side lane's work so far ordered before the main stream's next op (events, so it
+  // holds inside a graph capture); ops go to the main lane again.
+  Status join_all();
+  // The host waits for every lane's stream (no change to the lanes).
+  Status wait_all();
 
   ~Impl();
 

@@ -1,5 +1,6 @@
 // CudaBackend's timing points (backend.h): CUDA events recorded on the backend's stream.
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_backend_impl.cuh"
 #include "backend/cuda/cuda_check.h"
 
 namespace dsv4::backend {
@@ -8,6 +9,7 @@ Result<Backend::TimePoint> CudaBackend::time_point() {
   cudaEvent_t event = nullptr;
   DSV4_CUDA_TRY(cudaEventCreate(&event));
   std::shared_ptr<void> owner(event, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+  DSV4_TRY(impl_->join_all());  // the point follows every lane's work
   DSV4_CUDA_TRY(cudaEventRecord(event, stream()));
   return TimePoint{host_clock_ms(), std::move(owner)};
 }
