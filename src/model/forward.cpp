@@ -86,7 +86,6 @@ Status ForwardPass::hc_post(const Tensor& y, const HcMix& mix, const Tensor& str
 Status ForwardPass::block(const LayerPlan& layer, const Tensor& streams, const Step& step) const {
   const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
-  const int64_t d = c.hidden, n = step.rows.n;
   // The block's intermediates go back to the scratch when it ends (streams persist).
   struct Scope {
     backend::Backend& be;

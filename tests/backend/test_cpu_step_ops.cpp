@@ -422,5 +422,20 @@ TEST_F(CpuStepOps, ScratchIsReusedPerStepAndPoisonable) {
   EXPECT_EQ(read_i32(ids), std::vector<int32_t>(4, -1));
 }
 
+// Lanes (backend.h): the CPU runs every op in its call, in order, so a fork and a join change
+// nothing; side lanes are numbered 1..kMaxLanes and anything else is an invalid argument.
+TEST_F(CpuStepOps, LanesRunInOrderAndCheckTheLaneNumber) {
+  Tensor t = f32({2, 3}, {1, 2, 3, 4, 5, 6});
+  ASSERT_TRUE(be_.fork_lane(1).is_ok());
+  ASSERT_TRUE(be_.scale(t, 2.0f).is_ok());
+  ASSERT_TRUE(be_.main_lane().is_ok());
+  EXPECT_EQ(read(t), (std::vector<float>{2, 4, 6, 8, 10, 12})) << "a side lane's op done in its call";
+  ASSERT_TRUE(be_.join_lane(1).is_ok());
+  for (int bad : {0, -1, Backend::kMaxLanes + 1}) {
+    EXPECT_EQ(be_.fork_lane(bad).code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(be_.join_lane(bad).code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace dsv4::backend
