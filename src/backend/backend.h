@@ -266,11 +266,11 @@ class Backend {
   // its query path; one-row kernels leave most of a GPU idle). fork_lane(i) starts side lane
   // i (1..kMaxLanes) after everything enqueued so far and sends the ops that follow to it;
   // main_lane() sends them to the main lane again; join_lane(i) makes the main lane's
-  // following ops wait for what lane i was given. Ops on different lanes between a fork and
-  // its join must not write memory the other lane reads or writes. scratch_release,
-  // begin_step, downloads, captures and timing points join every lane first. Results are the
-  // same bits as without lanes; a backend that computes in its calls (the CPU) runs every op
-  // in order and only checks the lane number.
+  // following ops wait for what lane i was given and sends them to the main lane. Ops on
+  // different lanes between a fork and its join must not write memory the other lane reads or
+  // writes. scratch_release, begin_step, downloads, captures and timing points join every
+  // lane first. Results are the same bits as without lanes; a backend that computes in its
+  // calls (the CPU) runs every op in order and only checks the lane number.
   static constexpr int kMaxLanes = 1;
   virtual Status fork_lane(int lane) { return check_lane("fork_lane", lane); }
   virtual Status main_lane() { return Status::ok(); }
