@@ -107,20 +107,15 @@ Status ForwardPass::block_v41(const LayerPlan& layer, const Tensor& streams, con
 // APE, no overlap) and derives the index keys from the latent; an index source selects
 // over its KV source's keys (masked by the candidate blocks after the candidate source);
 // every compressed block attends its KV source's entries through its index source's
-// selection.
+// selection. As in V4 the KV path and the compressor read only x: a side lane beside the
+// query path (backend.h's lanes), joined before the indexer.
 Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& x, const Step& step) const {
   const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
   const backend::StepRows& rows = step.rows;
   const int64_t n = rows.n, hd = c.head_dim, heads = c.n_heads;
 
-  DSV4_ASSIGN_OR_RETURN(Tensor qr, f32({n, static_cast<int64_t>(c.q_lora_rank)}));
-  DSV4_TRY(be.matmul(bw.q_a, x, qr, v41_mode(opt.matmul)));
-  DSV4_TRY(v41_norm(qr, &bw.q_a_norm, qr.cols(), qr));
-  DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * hd}));
-  DSV4_TRY(be.matmul(bw.q_b, qr, q, v41_mode(opt.matmul)));  // no per-head norm in V4.1 (fixture: attn_out)
-  DSV4_TRY(be.rope(q, hd, rows.positions, layer.rope, false));
-
+  DSV4_TRY(side_lane(step));
   DSV4_ASSIGN_OR_RETURN(Tensor kv, f32({n, hd}));
   DSV4_TRY(be.matmul(bw.kv, x, kv, v41_mode(opt.matmul)));
   DSV4_TRY(v41_norm(kv, &bw.kv_norm, hd, kv));
@@ -128,6 +123,16 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   DSV4_TRY(note(b, "window_kv_prequant", kv));
   if (opt.qat) DSV4_TRY(be.round_fp8_blocks(kv, hd, 32));  // every dim, blocks of 32
   DSV4_TRY(note(b, "window_kv", kv));
+  if (layer.ratio && layer.kv_source) DSV4_TRY(compress_v41(layer, x, step));
+
+  DSV4_TRY(be.main_lane());
+  DSV4_ASSIGN_OR_RETURN(Tensor qr, f32({n, static_cast<int64_t>(c.q_lora_rank)}));
+  DSV4_TRY(be.matmul(bw.q_a, x, qr, v41_mode(opt.matmul)));
+  DSV4_TRY(v41_norm(qr, &bw.q_a_norm, qr.cols(), qr));
+  DSV4_ASSIGN_OR_RETURN(Tensor q, f32({n, heads * hd}));
+  DSV4_TRY(be.matmul(bw.q_b, qr, q, v41_mode(opt.matmul)));  // no per-head norm in V4.1 (fixture: attn_out)
+  DSV4_TRY(be.rope(q, hd, rows.positions, layer.rope, false));
+  DSV4_TRY(be.join_lane(1));
 
   backend::AttentionKeys keys;
   keys.window = c.sliding_window;
@@ -135,7 +140,6 @@ Result<Tensor> ForwardPass::attention_v41(const LayerPlan& layer, const Tensor& 
   keys.chunk = kv;
   keys.draft_block = layer.mtp;  // a DSpark stage attends its seeded ring and the whole block
   if (layer.ratio) {
-    if (layer.kv_source) DSV4_TRY(compress_v41(layer, x, step));
     if (layer.indexer) DSV4_TRY(indexer_v41(layer, x, qr, step));
     keys.ratio = layer.ratio;
     keys.entries = cache.list(layer.kv_list);
