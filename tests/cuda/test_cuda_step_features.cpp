@@ -219,27 +219,26 @@ TEST_F(CudaStepFeatures, GraphReplayedDecodeMatchesTheCpu) {
 // replay the tokens of a backend without lanes, also with a spin at every fork on either
 // lane, greedy and sampled.
 TEST_F(CudaStepFeatures, GraphsWithLanesReplayTheTokensWithout) {
-  backend::CudaBackendOptions off;
-  off.lanes = false;
-  auto plain = backend::CudaBackend::create(off);
-  ASSERT_TRUE(plain.is_ok()) << plain.status().message();
-  auto want_model = load(**plain);
-  ASSERT_TRUE(want_model);
-  for (bool delay_main : {false, true}) {
+  const auto backend_with = [](bool lanes, int delay_us, bool delay_main) {
     backend::CudaBackendOptions o;
-    o.lane_delay_us = 200;
+    o.lanes = lanes;
+    o.lane_delay_us = delay_us;
     o.lane_delay_main = delay_main;
-    auto delayed = backend::CudaBackend::create(o);
-    ASSERT_TRUE(delayed.is_ok()) << delayed.status().message();
-    auto m = load(**delayed);
-    ASSERT_TRUE(m);
-    for (bool greedy : {true, false}) {
-      const auto want = sampled_run(*want_model, greedy);
-      ASSERT_EQ(want.size(), 36u);
-      EXPECT_EQ(sampled_run(*m, greedy), want) << (delay_main ? "main" : "side") << " lane delayed, "
-                                               << (greedy ? "greedy" : "sampled");
-      EXPECT_EQ(sampled_run(*load(*gpu_), greedy), want) << "lanes (no delay), " << (greedy ? "greedy" : "sampled");
-    }
+    auto b = backend::CudaBackend::create(o);
+    EXPECT_TRUE(b.is_ok()) << b.status().message();
+    return b.is_ok() ? std::move(b).value() : nullptr;
+  };
+  auto plain = backend_with(false, 0, false), side = backend_with(true, 200, false), main = backend_with(true, 200, true);
+  ASSERT_TRUE(plain && side && main);
+  auto want_model = load(*plain), lanes_model = load(*gpu_), side_model = load(*side), main_model = load(*main);
+  ASSERT_TRUE(want_model && lanes_model && side_model && main_model);
+  for (bool greedy : {true, false}) {
+    SCOPED_TRACE(greedy ? "greedy" : "sampled");
+    const auto want = sampled_run(*want_model, greedy);
+    ASSERT_EQ(want.size(), 36u);
+    EXPECT_EQ(sampled_run(*lanes_model, greedy), want) << "lanes";
+    EXPECT_EQ(sampled_run(*side_model, greedy), want) << "lanes, side lane delayed";
+    EXPECT_EQ(sampled_run(*main_model, greedy), want) << "lanes, main lane delayed";
   }
 }
 

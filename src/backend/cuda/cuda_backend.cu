@@ -446,11 +446,9 @@ CudaBackend::Impl::~Impl() {
   for (auto& [id, exec] : graphs) cudaGraphExecDestroy(exec);
   for (const Chunk& c : chunks) cudaFree(c.ptr);
   for (const RopeTable& t : rope_tables) cudaFree(t.omega);
-  for (Lane& l : lanes) {
-    LaneWork& w = l.work;
-    for (const Reusable* r : {&w.bf16_weights, &w.bf16_activations, &w.f32_weights, &w.cublas_lt_workspace})
+  for (const Lane& l : lanes)
+    for (const Reusable* r : l.work.all())
       if (r->ptr) cudaFree(r->ptr);
-  }
   if (pinned) cudaFreeHost(pinned);
   if (host_errors) cudaFreeHost(host_errors);
   if (device_errors) cudaFree(device_errors);
@@ -465,12 +463,17 @@ CudaBackend::Impl::~Impl() {
   }
 }
 
+Status CudaBackend::Impl::main_waits_for(Lane& l) {
+  DSV4_CUDA_TRY(cudaEventRecord(l.join, l.stream));
+  DSV4_CUDA_TRY(cudaStreamWaitEvent(main_stream(), l.join, 0));
+  return Status::ok();
+}
+
 Status CudaBackend::Impl::join_all() {
   for (int i = 1; i <= Backend::kMaxLanes; ++i) {
     Lane& l = lanes[i];
     if (!l.pending) continue;
-    DSV4_CUDA_TRY(cudaEventRecord(l.join, l.stream));
-    DSV4_CUDA_TRY(cudaStreamWaitEvent(main_stream(), l.join, 0));
+    DSV4_TRY(main_waits_for(l));
     l.pending = false;
   }
   lane = 0;
@@ -570,10 +573,7 @@ Result<const float*> CudaBackend::Impl::rope_omega(const RopeParams& p) {
   // pageable source is staged before the call returns. Every lane may read the table next:
   // from a side lane, the main lane waits for the copy.
   DSV4_CUDA_TRY(cudaMemcpyAsync(d, omega.data(), omega.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
-  if (lane != 0) {
-    DSV4_CUDA_TRY(cudaEventRecord(lanes[lane].join, stream));
-    DSV4_CUDA_TRY(cudaStreamWaitEvent(main_stream(), lanes[lane].join, 0));
-  }
+  if (lane != 0) DSV4_TRY(main_waits_for(lanes[lane]));
   return static_cast<const float*>(d);
 }
 
@@ -680,9 +680,7 @@ DeviceMemoryState CudaBackend::device_memory() const {
   const DeviceMemory m = memory();
   uint64_t work = 0;  // every lane's workspace and buffers
   for (const Impl::Lane& l : impl_->lanes)
-    for (const Impl::Reusable* r :
-         {&l.work.bf16_weights, &l.work.bf16_activations, &l.work.f32_weights, &l.work.cublas_lt_workspace})
-      work += r->bytes;
+    for (const Impl::Reusable* r : l.work.all()) work += r->bytes;
   return {m.free_bytes, m.scratch_bytes + work};
 }
 
@@ -738,8 +736,7 @@ Status CudaBackend::join_lane(int lane) {
   Impl& m = *impl_;
   Impl::Lane& l = m.lanes[lane];
   if (l.pending) {
-    DSV4_CUDA_TRY(cudaEventRecord(l.join, l.stream));
-    DSV4_CUDA_TRY(cudaStreamWaitEvent(m.main_stream(), l.join, 0));
+    DSV4_TRY(m.main_waits_for(l));
     l.pending = false;
   }
   return main_lane();

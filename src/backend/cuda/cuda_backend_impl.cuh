@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -100,6 +101,9 @@ struct CudaBackend::Impl {
   // workspace is allocated at create(); a side lane's on its first product that needs one.
   struct LaneWork {
     Reusable bf16_weights, bf16_activations, f32_weights, cublas_lt_workspace;
+    std::array<const Reusable*, 4> all() const {
+      return {&bf16_weights, &bf16_activations, &f32_weights, &cublas_lt_workspace};
+    }
   };
 
   // Lanes (Backend::fork_lane): index 0 is the main lane. A side lane's stream waits for
@@ -116,8 +120,10 @@ struct CudaBackend::Impl {
   LaneWork& work() { return lanes[lane].work; }
   // The current lane's cuBLASLt workspace (cuda::kCublasLtWorkspaceBytes).
   Result<void*> cublas_lt_workspace() { return reusable(work().cublas_lt_workspace, cuda::kCublasLtWorkspaceBytes); }
-  // Every side lane's work so far ordered before the main stream's next op (events, so it
-  // holds inside a graph capture); ops go to the main lane again.
+  // Lane l's work so far ordered before the main stream's next op (an event, so it holds
+  // inside a graph capture); l stays pending.
+  Status main_waits_for(Lane& l);
+  // Every pending side lane joined (main_waits_for); ops go to the main lane again.
   Status join_all();
   // The host waits for every lane's stream (no change to the lanes).
   Status wait_all();
