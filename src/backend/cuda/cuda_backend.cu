@@ -325,6 +325,20 @@ __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float
   if (mine) comb[t] = v;
 }
 
+// ref::hc_collapse for one column, its n loads issued before the sum (each under the runtime
+// bound, they went one after another) and the values in registers: the same products and
+// additions in the same order.
+__device__ inline float collapse_column(const float* X, int64_t width, const float* w, int n) {
+  float x[kMaxHc];
+#pragma unroll
+  for (int j = 0; j < kMaxHc; ++j) x[j] = j < n ? X[j * width] : 0.0f;
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kMaxHc; ++j)
+    if (j < n) acc = ref::add(acc, ref::mul(w[j], x[j]));
+  return acc;
+}
+
 // One block of kHcThreads per row: the RMS scale of all streams, the split, the collapse. With
 // n * n <= 32 (V4: n = 4) warp 0 runs the Sinkhorn iterations while the other warps collapse
 // (the collapse needs only pre, which needs only the RMS scale); otherwise the whole block
@@ -362,12 +376,12 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
       else
         hc_sinkhorn_comb_warp<0>(m, rho, scale, base, n_hc, iters, hc_eps, comb.row(s));
     } else {
-      for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+      for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = collapse_column(X + i, width, pre, n_hc);
     }
   } else {
     hc_split_sinkhorn_block(m, rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = collapse_column(X + i, width, pre, n_hc);
   }
   if (norm_w == nullptr) return;  // uniform over the grid
   __syncthreads();                // every x value written (the block's own global writes)
@@ -377,13 +391,19 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
 }
 
 // X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
-__global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, int n_hc, Mat<float> streams) {
+// kN: n_hc known at compile time (V4's 4 streams: old[] in registers, where a runtime count
+// put it in local memory and its loads one after another); 0: any n_hc up to kMaxHc.
+template <int kN>
+__global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, int n_runtime, Mat<float> streams) {
   ::dsv4::cuda::dependent_kernel_prologue();
+  constexpr int kCap = kN > 0 ? kN : kMaxHc;
+  const int n_hc = kN > 0 ? kN : n_runtime;
   DSV4_ROW_TILE(s, i, y.rows, y.cols) {
     const int64_t width = y.cols;
     float* X = streams.row(s);
-    float old[kMaxHc];
-    for (int j = 0; j < n_hc; ++j) old[j] = X[j * width + i];
+    float old[kCap];
+#pragma unroll
+    for (int j = 0; j < kCap; ++j) old[j] = j < n_hc ? X[j * width + i] : 0.0f;
     const float* p = post.row(s);
     const float* c = comb.row(s);
     const float a = y.row(s)[i];
@@ -404,7 +424,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams,
     w[j] = ref::hc_head_weight(mixes.row(s)[j], rho, scale[0], base[j], hc_eps);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, w, n_hc);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = collapse_column(X + i, width, w, n_hc);
 }
 
 // ---- QAT --------------------------------------------------------------------------------------
@@ -1362,7 +1382,8 @@ Status CudaBackend::hc_post(const Tensor& y, const Tensor& post, const Tensor& c
   DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_post", "comb", n, n_hc * n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_post", "streams", n, n_hc * width));
   if (n * width == 0) return Status::ok();
-  cuda::launch_dependent(hc_post_kernel, cudaops::row_tile_grid(n, width), cudaops::kRowTileThreads, 0, impl_->stream,
+  cuda::launch_dependent(n_hc == 4 ? hc_post_kernel<4> : hc_post_kernel<0>, cudaops::row_tile_grid(n, width),
+                         cudaops::kRowTileThreads, 0, impl_->stream,
                          yv, pv, cv, n_hc, sv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
