@@ -16,8 +16,18 @@ __device__ inline double block_sum(double v) {
   if (lane == 0) warp_sums[warp] = v;
   __syncthreads();
   if (threadIdx.x == 0) {
+    // In groups of 8: one loop of dependent shared loads was 32 load latencies (~1000 cycles)
+    // of a one-row hc_pre (ncu, 2026-12-04). The same additions in the same order.
+    const int warps = static_cast<int>(blockDim.x >> 5);
     double total = 0.0;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += warp_sums[w];
+    for (int w0 = 0; w0 < warps; w0 += 8) {
+      double part[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) part[u] = w0 + u < warps ? warp_sums[w0 + u] : 0.0;
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (w0 + u < warps) total += part[u];
+    }
     warp_sums[0] = total;
   }
   __syncthreads();

@@ -128,6 +128,28 @@ __global__ void decode_rows_kernel(const uint8_t* w, int64_t row_bytes, int64_t 
   DSV4_GRID_STRIDE(idx, n * k) out[idx] = cuda::exact::element<T>(w + (idx / k) * row_bytes, idx % k, tables);
 }
 
+// This thread's part of sum(v[i]^2) over [0, count) for block_sum: i = threadIdx.x, +
+// blockDim.x, ... in order, in double. The loads go first, 16 at a time: as a plain loop
+// (each load under its own bound check) nvcc issued them one after another into one register,
+// 16 L2 round trips of a one-row hc_pre (ncu's SASS, 2026-12-04). Past the end a term is
+// 0.0 * 0.0, which leaves a sum of squares unchanged, so the bits are the plain loop's.
+// (No __restrict__: hc_pre reads its own x back, which the read-only cache path may not.)
+__device__ inline double sum_squares(const float* v, int64_t count) {
+  constexpr int kLoads = 16;
+  double ss = 0.0;
+  for (int64_t i0 = threadIdx.x; i0 < count; i0 += kLoads * static_cast<int64_t>(blockDim.x)) {
+    float x[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t i = i0 + u * static_cast<int64_t>(blockDim.x);
+      x[u] = i < count ? v[i] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) ss += static_cast<double>(x[u]) * x[u];
+  }
+  return ss;
+}
+
 // One block per group of `width` values of a row.
 __global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float eps, int64_t width, int64_t groups,
                                 Mat<float> y) {
@@ -135,10 +157,7 @@ __global__ void rms_norm_kernel(Mat<float> x, const float* __restrict__ w, float
   const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
   const float* xr = x.row(row) + g * width;
   float* yr = y.row(row) + g * width;
-  double ss = 0.0;
-#pragma unroll 4
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
-  const float r = ref::inverse_rms(block_sum(ss), width, eps);
+  const float r = ref::inverse_rms(block_sum(sum_squares(xr, width)), width, eps);
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
     const float v = __fmul_rn(xr[i], r);
     yr[i] = w != nullptr ? __fmul_rn(v, w[i]) : v;
@@ -261,30 +280,35 @@ __device__ void hc_split_sinkhorn_block(const float* mixes, float rho, const flo
 // loads, barrier) the 39 half-steps of 20 iterations were the decode step's longest serial
 // chain: 21.6 us of the 21.6-us hc_pre at one row, its other 31 warps waiting at the barrier
 // (ncu, 2026-12-03).
-__device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float* scale, const float* base, int n,
-                                      int iters, float eps, float* comb) {
+// kN: n known at compile time (V4's 4 streams: each gather 4 shuffles and each sum 4 adds
+// with no bound checks; with kN = 0, kMaxHc of each, guarded by the runtime n).
+template <int kN>
+__device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float* scale, const float* base,
+                                      int n_runtime, int iters, float eps, float* comb) {
   constexpr unsigned kAll = 0xFFFFFFFFu;
+  constexpr int kLine = kN > 0 ? kN : kMaxHc;
+  const int n = kN > 0 ? kN : n_runtime;
   const int t = static_cast<int>(threadIdx.x);
   const bool mine = t < n * n;
   const int j = mine ? t / n : 0, k = mine ? t % n : 0;
   float v = mine ? ref::fma(ref::mul(mixes[2 * n + t], rho), scale[2], base[2 * n + t]) : 0.0f;
   // Entries q = 0..n-1 of this lane's row (or column), as c[j * n + q] (c[q * n + k]).
-  float line[kMaxHc];
+  float line[kLine];
   const auto gather = [&](bool columns) {
 #pragma unroll
-    for (int q = 0; q < kMaxHc; ++q) line[q] = __shfl_sync(kAll, v, (columns ? q * n + k : j * n + q) & 31);
+    for (int q = 0; q < kLine; ++q) line[q] = __shfl_sync(kAll, v, (columns ? q * n + k : j * n + q) & 31);
   };
   const auto line_sum = [&] {
     float sum = 0.0f;
 #pragma unroll
-    for (int q = 0; q < kMaxHc; ++q)
+    for (int q = 0; q < kLine; ++q)
       if (q < n) sum = ref::add(sum, line[q]);
     return sum;
   };
   gather(false);  // row softmax: the row's max, exp(x - max) ...
   float m = line[0];
 #pragma unroll
-  for (int q = 1; q < kMaxHc; ++q)
+  for (int q = 1; q < kLine; ++q)
     if (q < n) m = ref::std_max(m, line[q]);
   v = ref::exp(ref::sub(v, m));
   gather(false);  // ... over the row's sum, + eps
@@ -299,6 +323,20 @@ __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float
     normalise(true);
   }
   if (mine) comb[t] = v;
+}
+
+// ref::hc_collapse for one column, its n loads issued before the sum (each under the runtime
+// bound, they went one after another) and the values in registers: the same products and
+// additions in the same order.
+__device__ inline float collapse_column(const float* X, int64_t width, const float* w, int n) {
+  float x[kMaxHc];
+#pragma unroll
+  for (int j = 0; j < kMaxHc; ++j) x[j] = j < n ? X[j * width] : 0.0f;
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kMaxHc; ++j)
+    if (j < n) acc = ref::add(acc, ref::mul(w[j], x[j]));
+  return acc;
 }
 
 // One block of kHcThreads per row: the RMS scale of all streams, the split, the collapse. With
@@ -322,10 +360,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
   __shared__ float pre[kMaxHc];
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
-  double ss = 0.0;
-#pragma unroll 16  // V4: 16 values a thread, all loads in flight (the sum's order is the loop's)
-  for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
-  const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
+  const float rho = ref::inverse_rms(block_sum(sum_squares(X, n_hc * width)), n_hc * width, norm_eps);
   const float* m = mixes.row(s);
   float* xr = x.row(s);
   if (n_hc * n_hc <= 32 && blockDim.x > 32) {
@@ -336,33 +371,39 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
     }
     __syncthreads();
     if (t < 32) {
-      hc_sinkhorn_comb_warp(m, rho, scale, base, n_hc, iters, hc_eps, comb.row(s));
+      if (n_hc == 4)
+        hc_sinkhorn_comb_warp<4>(m, rho, scale, base, n_hc, iters, hc_eps, comb.row(s));
+      else
+        hc_sinkhorn_comb_warp<0>(m, rho, scale, base, n_hc, iters, hc_eps, comb.row(s));
     } else {
-      for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+      for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = collapse_column(X + i, width, pre, n_hc);
     }
   } else {
     hc_split_sinkhorn_block(m, rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = collapse_column(X + i, width, pre, n_hc);
   }
   if (norm_w == nullptr) return;  // uniform over the grid
   __syncthreads();                // every x value written (the block's own global writes)
-  double sx = 0.0;
-#pragma unroll 4
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) sx += static_cast<double>(xr[i]) * xr[i];
-  const float r = ref::inverse_rms(block_sum(sx), width, norm_eps);
+  const float r = ref::inverse_rms(block_sum(sum_squares(xr, width)), width, norm_eps);
   float* yr = normed.row(s);
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) yr[i] = __fmul_rn(__fmul_rn(xr[i], r), norm_w[i]);
 }
 
 // X'[k] = post_k y + sum_j comb[j,k] X[j]; a thread owns column i of every stream (in place).
-__global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, int n_hc, Mat<float> streams) {
+// kN: n_hc known at compile time (V4's 4 streams: old[] in registers, where a runtime count
+// put it in local memory and its loads one after another); 0: any n_hc up to kMaxHc.
+template <int kN>
+__global__ void hc_post_kernel(Mat<float> y, Mat<float> post, Mat<float> comb, int n_runtime, Mat<float> streams) {
   ::dsv4::cuda::dependent_kernel_prologue();
+  constexpr int kCap = kN > 0 ? kN : kMaxHc;
+  const int n_hc = kN > 0 ? kN : n_runtime;
   DSV4_ROW_TILE(s, i, y.rows, y.cols) {
     const int64_t width = y.cols;
     float* X = streams.row(s);
-    float old[kMaxHc];
-    for (int j = 0; j < n_hc; ++j) old[j] = X[j * width + i];
+    float old[kCap];
+#pragma unroll
+    for (int j = 0; j < kCap; ++j) old[j] = j < n_hc ? X[j * width + i] : 0.0f;
     const float* p = post.row(s);
     const float* c = comb.row(s);
     const float a = y.row(s)[i];
@@ -377,16 +418,13 @@ __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams,
   __shared__ float w[kMaxHc];
   const int64_t s = blockIdx.x;
   const float* X = streams.row(s);
-  double ss = 0.0;
-#pragma unroll 16  // V4: 16 values a thread, all loads in flight (the sum's order is the loop's)
-  for (int64_t i = threadIdx.x; i < n_hc * width; i += blockDim.x) ss += static_cast<double>(X[i]) * X[i];
-  const float rho = ref::inverse_rms(block_sum(ss), n_hc * width, norm_eps);
+  const float rho = ref::inverse_rms(block_sum(sum_squares(X, n_hc * width)), n_hc * width, norm_eps);
   if (threadIdx.x < n_hc) {
     const int j = threadIdx.x;
     w[j] = ref::hc_head_weight(mixes.row(s)[j], rho, scale[0], base[j], hc_eps);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, w, n_hc);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = collapse_column(X + i, width, w, n_hc);
 }
 
 // ---- QAT --------------------------------------------------------------------------------------
@@ -1341,7 +1379,8 @@ Status CudaBackend::hc_post(const Tensor& y, const Tensor& post, const Tensor& c
   DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, "hc_post", "comb", n, n_hc * n_hc));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_post", "streams", n, n_hc * width));
   if (n * width == 0) return Status::ok();
-  cuda::launch_dependent(hc_post_kernel, cudaops::row_tile_grid(n, width), cudaops::kRowTileThreads, 0, impl_->stream,
+  cuda::launch_dependent(n_hc == 4 ? hc_post_kernel<4> : hc_post_kernel<0>, cudaops::row_tile_grid(n, width),
+                         cudaops::kRowTileThreads, 0, impl_->stream,
                          yv, pv, cv, n_hc, sv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
