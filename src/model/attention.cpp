@@ -55,6 +55,9 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
       ys.insert(ys.end(), {&key_in.kv, &key_in.score, &head_weights});
     }
     DSV4_TRY(be.matmul_many(ws, x, ys, fp32_mode()));
+    if (layer.indexer)  // §3.6's scale of the head weights, here beside the query path (lanes)
+      DSV4_TRY(be.scale(head_weights, static_cast<float>(1.0 / std::sqrt(double(c.index_head_dim)) /
+                                                         std::sqrt(double(c.index_heads)))));
     // Entries completed by this step join the cache before attention: entry e is visible
     // from position e*ratio + ratio - 1 on, including to that token itself.
     if (layer.indexer)
@@ -173,13 +176,12 @@ Result<Tensor> ForwardPass::indexer_query(const LayerPlan& layer, const Tensor& 
   return q;
 }
 
-// §3.6: the head weights (x Wproj^T in fp32, given) scaled, scores of the queries q over
-// each row's visible keys, and the top-k.
+// §3.6: scores of the queries q over each row's visible keys with the head weights (x
+// Wproj^T in fp32, scaled by 1 / sqrt(dk * heads): given), and the top-k.
 Status ForwardPass::indexer(const LayerPlan& layer, const Tensor& q, const Tensor& weights, const Step& step,
                             const Tensor& idx) const {
   const backend::StepRows& rows = step.rows;
-  const int64_t n = rows.n, heads = c.index_heads, dk = c.index_head_dim;
-  DSV4_TRY(be.scale(weights, static_cast<float>(1.0 / std::sqrt(double(dk)) / std::sqrt(double(heads)))));
+  const int64_t n = rows.n;
 
   // Scores for as many keys as the furthest row sees; each row's own count is on the device.
   const int64_t max_visible = std::max<int64_t>(rows.max_end / layer.ratio, 1);
