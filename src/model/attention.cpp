@@ -13,7 +13,8 @@ using backend::Tensor;
 // §3.1: Q and KV paths, the entries this step completes (§3.3), the indexer's selection
 // (§3.6), one joint softmax with the sink over window and compressed keys, the window ring
 // update, de-rotation and the grouped output. The KV path and the compressors read only x:
-// they run on a side lane beside the query path (backend.h's lanes; the same bits).
+// they run on a side lane beside the query path, and the ring's update beside the output
+// path (backend.h's lanes; the same bits).
 Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, const Step& step) const {
   const uint32_t b = layer.block;
   const BlockWeights& bw = w.blocks[b];
@@ -92,8 +93,12 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
   }
   DSV4_ASSIGN_OR_RETURN(Tensor o, f32({n, heads * hd}));
   DSV4_TRY(be.attention(q, keys, rows, bw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), o, opt.matmul));
-  DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));  // after every row has read the ring
-  DSV4_TRY(be.rope(o, hd, rows.positions, layer.rope, true));   // §3.1.9 output de-rotation
+  // The ring's update, after every row has read it: nothing reads it again before the next
+  // step, so it runs beside the output path (joined by the MoE's join or the block's end).
+  DSV4_TRY(side_lane(step));
+  DSV4_TRY(be.store_window(kv, rows, keys.window, keys.ring));
+  DSV4_TRY(be.main_lane());
+  DSV4_TRY(be.rope(o, hd, rows.positions, layer.rope, true));  // §3.1.9 output de-rotation
 
   // §3.1.10: group g's heads (concatenated) through its wo_a rows, then wo_b.
   DSV4_ASSIGN_OR_RETURN(Tensor u, f32({n, static_cast<int64_t>(c.o_groups * c.o_lora_rank)}));
