@@ -56,13 +56,14 @@ Result<Tensor> ForwardPass::attention(const LayerPlan& layer, const Tensor& x, c
       ys.insert(ys.end(), {&key_in.kv, &key_in.score, &head_weights});
     }
     DSV4_TRY(be.matmul_many(ws, x, ys, fp32_mode()));
-    if (layer.indexer)  // §3.6's scale of the head weights, here beside the query path (lanes)
-      DSV4_TRY(be.scale(head_weights, static_cast<float>(1.0 / std::sqrt(double(c.index_head_dim)) /
-                                                         std::sqrt(double(c.index_heads)))));
     // Entries completed by this step join the cache before attention: entry e is visible
     // from position e*ratio + ratio - 1 on, including to that token itself.
-    if (layer.indexer)
+    if (layer.indexer) {
+      // §3.6's scale of the head weights, here beside the query path (lanes).
+      DSV4_TRY(be.scale(head_weights, static_cast<float>(1.0 / std::sqrt(double(c.index_head_dim)) /
+                                                         std::sqrt(double(c.index_heads)))));
       DSV4_TRY(compress(layer, bw.index_compressor, true, layer.key_state, layer.key_list, key_in, step));
+    }
     DSV4_TRY(compress(layer, bw.compressor, false, layer.kv_state, layer.kv_list, kv_in, step));
     keys.ratio = layer.ratio;
     keys.entries = cache.list(layer.kv_list);

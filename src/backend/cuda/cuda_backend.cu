@@ -325,20 +325,6 @@ __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float
   if (mine) comb[t] = v;
 }
 
-// ref::hc_collapse for one column, its n loads issued before the sum (each under the runtime
-// bound, they went one after another) and the values in registers: the same products and
-// additions in the same order.
-__device__ inline float collapse_column(const float* X, int64_t width, const float* w, int n) {
-  float x[kMaxHc];
-#pragma unroll
-  for (int j = 0; j < kMaxHc; ++j) x[j] = j < n ? X[j * width] : 0.0f;
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kMaxHc; ++j)
-    if (j < n) acc = ref::add(acc, ref::mul(w[j], x[j]));
-  return acc;
-}
-
 // One block of kHcThreads per row: the RMS scale of all streams, the split, the collapse. With
 // n * n <= 32 (V4: n = 4) warp 0 runs the Sinkhorn iterations while the other warps collapse
 // (the collapse needs only pre, which needs only the RMS scale); otherwise the whole block
@@ -376,12 +362,12 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre_kernel(Mat<float> streams, 
       else
         hc_sinkhorn_comb_warp<0>(m, rho, scale, base, n_hc, iters, hc_eps, comb.row(s));
     } else {
-      for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = collapse_column(X + i, width, pre, n_hc);
+      for (int64_t i = t - 32; i < width; i += blockDim.x - 32) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
     }
   } else {
     hc_split_sinkhorn_block(m, rho, scale, base, n_hc, iters, hc_eps, pre, post.row(s), comb.row(s));
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = collapse_column(X + i, width, pre, n_hc);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = ref::hc_collapse(X + i, width, pre, n_hc);
   }
   if (norm_w == nullptr) return;  // uniform over the grid
   __syncthreads();                // every x value written (the block's own global writes)
@@ -424,7 +410,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams,
     w[j] = ref::hc_head_weight(mixes.row(s)[j], rho, scale[0], base[j], hc_eps);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = collapse_column(X + i, width, w, n_hc);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, w, n_hc);
 }
 
 // ---- QAT --------------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ namespace dsv4::cuda::ref {
 
 // Each operation rounded on its own: __f*_rn on the device; on the host an empty asm keeps the
 // result in a register as rounded, so no fused operation forms.
+// Loops of a compile-time count unrolled by nvcc (the host compiler has no such pragma).
+#if defined(__CUDACC__)
+#define DSV4_REF_UNROLL _Pragma("unroll")
+#else
+#define DSV4_REF_UNROLL
+#endif
+
 #if defined(__CUDA_ARCH__)
 #define DSV4_REF_OP(device, host) return device
 #else
@@ -136,11 +143,18 @@ DSV4_HOST_DEVICE inline void hc_split_sinkhorn(const float* mixes, float rho, co
   for (int i = 0; i < n * n; ++i) comb[i] = c[i];
 }
 
-// cpu::hc_collapse for one column: sum_j w[j] * X[j * stride], each product rounded before
-// its addition (GCC 12 does not fuse this loop in CpuBackend::hc_pre / hc_head).
+// cpu::hc_collapse for one column: sum_j w[j] * X[j * stride] (n <= kMaxHc), each product
+// rounded before its addition (GCC 12 does not fuse this loop in CpuBackend::hc_pre /
+// hc_head). The n loads go first: under the runtime bound in the loop, nvcc issued them one
+// after another (hc_pre's SASS, 2026-12-04); the products and additions are the loop's.
 DSV4_HOST_DEVICE inline float hc_collapse(const float* X, int64_t stride, const float* w, int n) {
+  float x[kMaxHc];
+  DSV4_REF_UNROLL
+  for (int j = 0; j < kMaxHc; ++j) x[j] = j < n ? X[j * stride] : 0.0f;
   float acc = 0.0f;
-  for (int j = 0; j < n; ++j) acc = add(acc, mul(w[j], X[j * stride]));
+  DSV4_REF_UNROLL
+  for (int j = 0; j < kMaxHc; ++j)
+    if (j < n) acc = add(acc, mul(w[j], x[j]));
   return acc;
 }
 
