@@ -169,6 +169,57 @@ TEST_F(CudaStepFeatures, SampleOpMatchesTheCpuTokenForToken) {
   EXPECT_EQ(tokens[1], tokens[0]);
 }
 
+// The greedy arg-max where its vector loads could go wrong: rows that start off a 16-byte
+// boundary (a column view), widths that leave a tail (not a multiple of 4), ties at the top
+// (the lowest id wins), NaN anywhere (never wins) and rows of only -inf / NaN (token 0).
+TEST_F(CudaStepFeatures, GreedyArgmaxTiesNaNAndUnalignedRows) {
+  const int64_t rows = 24, stride = 130001;
+  std::mt19937_64 rng(2026);
+  // Few distinct values: every row has many ties at its maximum.
+  std::vector<float> logits(rows * stride);
+  std::uniform_int_distribution<int> level(0, 40);
+  for (float& v : logits) v = 0.25f * static_cast<float>(level(rng)) - 3.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits.data() + r * stride;
+    for (int64_t i = r; i < stride; i += 977) row[i] = NAN;
+    if (r == 5) std::fill(row, row + stride, -INFINITY);
+    if (r == 6) std::fill(row, row + stride, NAN);
+    if (r == 7) row[stride - 1] = 100.0f;  // the maximum in the scalar tail
+  }
+  std::vector<int32_t> params;
+  for (int64_t r = 0; r < rows; ++r)
+    params.insert(params.end(), {bits(0.0f), bits(1.0f), bits(0.0f), 0, static_cast<int32_t>(r), 0, 0, 0});
+  for (int64_t first : {int64_t{0}, int64_t{1}, int64_t{3}})
+    for (int64_t width : {int64_t{129280}, int64_t{129997}, int64_t{5}}) {
+      SCOPED_TRACE(::testing::Message() << "first column " << first << ", width " << width);
+      std::vector<int32_t> tokens[2];
+      backend::Backend* bes[2] = {cpu_.get(), gpu_.get()};
+      for (int b = 0; b < 2; ++b) {
+        backend::Backend& be = *bes[b];
+        Tensor all = be.alloc(GgmlType::F32, std::vector<int64_t>{rows, stride}).value();
+        Tensor p = be.alloc(GgmlType::I32, std::vector<int64_t>{rows, backend::kSampleFields}).value();
+        Tensor o = be.alloc(GgmlType::I32, std::vector<int64_t>{rows}).value();
+        ASSERT_TRUE(be.upload(all, logits.data(), logits.size() * 4).is_ok());
+        ASSERT_TRUE(be.upload(p, params.data(), params.size() * 4).is_ok());
+        const std::vector<int32_t> poison(rows, -7);
+        ASSERT_TRUE(be.upload(o, poison.data(), rows * 4).is_ok());
+        ASSERT_TRUE(be.sample(all.columns(first, width), p, nullptr, o).is_ok());
+        tokens[b].resize(rows);
+        ASSERT_TRUE(be.download(o, tokens[b].data(), rows * 4).is_ok());
+      }
+      EXPECT_EQ(tokens[1], tokens[0]);
+      // The CPU's rule, restated: the first maximum of the non-NaN values, 0 if none is finite.
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = logits.data() + r * stride + first;
+        int32_t want = 0;
+        for (int64_t i = 0; i < width; ++i)
+          if (!std::isnan(row[i]) && (std::isnan(row[want]) || row[i] > row[want])) want = static_cast<int32_t>(i);
+        if (!std::isfinite(row[want])) want = std::isinf(row[want]) && row[want] > 0 ? want : 0;
+        EXPECT_EQ(tokens[1][r], want) << "row " << r;
+      }
+    }
+}
+
 TEST_F(CudaStepFeatures, SteerOpMatchesTheCpu) {
   const int64_t rows = 7, width = 4 * 256;
   std::mt19937_64 rng(5);
