@@ -89,6 +89,7 @@ struct HostPaged {
   int64_t width = 0, page_rows = 0, slots = 0, max_pages = 0, pool_rows = 0;
   std::vector<float> pool;
   std::vector<int32_t> table;
+  std::vector<int32_t> first_row;  // [slots] (grafts: rows below do not exist), or empty
   const float* row(int32_t slot, int64_t i) const {
     return &pool[(table[slot * max_pages + i / page_rows] * page_rows + i % page_rows) * width];
   }
@@ -148,7 +149,8 @@ struct On {
     return r;
   }
   PagedRows paged(const HostPaged& p) const {
-    return {f32({p.pool_rows, p.width}, p.pool), i32({p.slots, p.max_pages}, p.table), p.page_rows};
+    return {f32({p.pool_rows, p.width}, p.pool), i32({p.slots, p.max_pages}, p.table), p.page_rows,
+            p.first_row.empty() ? Tensor{} : i32({p.slots}, p.first_row)};
   }
 };
 
@@ -168,7 +170,8 @@ struct Dev {
     return {h.n, h.n_seqs, h.max_end, put(h.pos), put(h.row_seq), put(h.meta)};
   }
   cuda::DevicePaged paged(const HostPaged& p) {
-    return {{put(p.pool), p.pool_rows, p.width, p.width}, put(p.table), p.slots, p.max_pages, p.max_pages, p.page_rows};
+    return {{put(p.pool), p.pool_rows, p.width, p.width}, put(p.table), p.slots,           p.max_pages,
+            p.max_pages,                                     p.page_rows,  p.first_row.empty() ? nullptr : put(p.first_row)};
   }
   template <class T>
   static std::vector<T> get(const T* d, size_t n) {
@@ -613,9 +616,6 @@ std::vector<int32_t> top_k_raw(const HostStep& hs, const std::vector<float>& sco
   ws.poison();
   const Status st = cuda::top_k(sc, ratio, m, k, idx, k, ws.get(), ws.bytes(), nullptr);
   EXPECT_TRUE(st.is_ok()) << st.message();
-  // -inf marks an absent entry, never selected (backend.h): what CudaBackend::top_k adds.
-  const Status dropped = cuda::drop_absent_selections(sc, m, idx, k, k, nullptr);
-  EXPECT_TRUE(dropped.is_ok()) << dropped.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return Dev::get(idx, hs.n * k);
 }
@@ -667,6 +667,28 @@ TEST_P(CudaIndexer, ScoresAndTopKMatchCpu) {
   // The same scores give the same selection.
   EXPECT_TRUE(identical(top_k_raw(d.st, want, d.cols, c.ratio, c.k), top_k_on(cpu, d.st, want, d.cols, c.ratio, c.k),
                         c.k, "top_k " + c.name));
+
+  // Grafted slots (entries below first_row do not exist): -inf scores from the scores kernels'
+  // own stores, and a selection without them (the backend ops, as the model calls them).
+  IndexData g = d;
+  std::uniform_int_distribution<int64_t> first(0, d.cols);
+  g.keys.first_row.resize(c.slots);
+  for (int32_t& f : g.keys.first_row) f = static_cast<int32_t>(first(rng));
+  g.keys.first_row[0] = static_cast<int32_t>(std::min<int64_t>(d.cols, 3));
+  const std::vector<float> want_g = indexer_on(cpu, c, g);
+  int64_t absent = 0;
+  for (float v : want_g) absent += v == -kInf;
+  EXPECT_GT(absent, 0) << "no grafted entry to test";
+  auto made = CudaBackend::create();
+  ASSERT_TRUE(made.is_ok()) << made.status().message();
+  CudaBackend& gpu = *made.value();
+  for (MatmulMode mode : {MatmulMode::Exact, MatmulMode::Quantized}) {
+    const bool exact = mode == MatmulMode::Exact;
+    expect_and_log(rows_close(indexer_on(gpu, c, g, mode), want_g, d.cols, exact ? kExactBound : kFastIndexerBound,
+                              std::string(exact ? "exact" : "fast") + " grafted indexer scores " + c.name));
+  }
+  EXPECT_TRUE(identical(top_k_on(gpu, g.st, want_g, d.cols, c.ratio, c.k),
+                        top_k_on(cpu, g.st, want_g, d.cols, c.ratio, c.k), c.k, "grafted top_k " + c.name));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaIndexer, ::testing::Range(0, static_cast<int>(indexer_cases().size())),

@@ -586,6 +586,12 @@ __host__ __device__ constexpr size_t exact_indexer_smem(int heads_padded, int dk
                           8 * kIndexTile);
 }
 
+// Indexer score b of a row whose slot's entries start at `first` (grafts: entries below it do
+// not exist and score -inf, backend.h), stored with the score itself instead of a second pass.
+__device__ __forceinline__ float absent_or(int64_t b, int64_t first, float score) {
+  return b < first ? kNegInf : score;
+}
+
 // ReLU with std::max's NaN rule (a NaN dot stays NaN, as the CPU's).
 __device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }
 
@@ -607,16 +613,17 @@ __global__ void __launch_bounds__(kIndexThreads) indexer_exact_kernel(const Inde
   float* out = row_ptr(a.scores, r);
   const int s = p.m.row_seq[r];
   Seq sq{};
-  int64_t visible = 0;
+  int64_t visible = 0, first = 0;
   if (s >= 0) {
     sq = load_seq(p.m.seqs, s);
     visible = (p.m.positions[r] + 1) / a.ratio;
+    first = first_row_of(a.keys, sq.slot);
   }
   const int64_t span = int64_t{p.tiles_per_block} * kIndexTile;
   const int64_t k_begin = blockIdx.y * span;
   const int64_t k_end = k_begin + span < cols ? k_begin + span : cols;
-  if (visible > cols) {  // more keys than columns: the CPU's error, NaN here
-    for (int64_t b = k_begin + tid; b < k_end; b += blockDim.x) out[b] = NAN;
+  if (visible > cols) {  // more keys than columns: the CPU's error, NaN here (absent entries -inf)
+    for (int64_t b = k_begin + tid; b < k_end; b += blockDim.x) out[b] = absent_or(b, first, NAN);
     return;
   }
   for (int64_t b = (k_begin > visible ? k_begin : visible) + tid; b < k_end; b += blockDim.x) out[b] = kNegInf;
@@ -695,64 +702,10 @@ __global__ void __launch_bounds__(kIndexThreads) indexer_exact_kernel(const Inde
       float total = 0.0f;
 #pragma unroll
       for (int w8 = 0; w8 < 8; ++w8) total += red[w8 * kIndexTile + tid];
-      out[base + tid] = total;
+      out[base + tid] = absent_or(base + tid, first, total);
     }
     __syncthreads();
   }
-}
-
-// ---- grafts -------------------------------------------------------------------------------
-
-// Row blockIdx.x: scores of entries below its slot's first row are -inf.
-__global__ void mask_absent_scores_kernel(const DevicePaged keys, const StepMeta m, const DeviceRows scores) {
-  ::dsv4::cuda::dependent_kernel_prologue();
-  const int r = blockIdx.x, s = m.row_seq[r];
-  if (s < 0) return;
-  const int64_t first = first_row_of(keys, load_seq(m.seqs, s).slot);
-  const int64_t end = first < scores.cols ? first : scores.cols;
-  for (int64_t b = threadIdx.x; b < end; b += blockDim.x) row_ptr(scores, r)[b] = kNegInf;
-}
-
-// Row blockIdx.x (one warp): drops selected entries whose score is -inf, keeping the others
-// in order and padding with -1. Up to 32 * kDropPerLane entries the lanes read every entry and
-// its score first (all loads in flight), then compact; the loop below it made one dependent
-// round trip per 32 entries (16 for the top-512: 15 us a CSA layer at one row, ncu).
-constexpr int kDropPerLane = 32;
-__global__ void drop_absent_selections_kernel(const DeviceRows scores, int32_t* idx, int64_t idx_ld, int k) {
-  ::dsv4::cuda::dependent_kernel_prologue();
-  const int r = blockIdx.x, lane = threadIdx.x;
-  int32_t* row = idx + static_cast<int64_t>(r) * idx_ld;
-  const float* sc = row_ptr(scores, r);
-  int kept = 0;  // entries kept before this lane's chunk
-  if (k <= 32 * kDropPerLane) {
-    int32_t e[kDropPerLane];
-    bool keep[kDropPerLane];
-#pragma unroll
-    for (int t = 0; t < kDropPerLane; ++t) e[t] = t * 32 + lane < k ? row[t * 32 + lane] : -1;
-#pragma unroll
-    for (int t = 0; t < kDropPerLane; ++t) keep[t] = e[t] >= 0 && e[t] < scores.cols && sc[e[t]] != kNegInf;
-    __syncwarp();  // every entry read before any is moved
-#pragma unroll
-    for (int t = 0; t < kDropPerLane; ++t) {
-      const unsigned mask = __ballot_sync(kFullMask, keep[t]);
-      if (keep[t]) row[kept + __popc(mask & ((1u << lane) - 1))] = e[t];
-      kept += __popc(mask);
-    }
-    __syncwarp();
-    for (int j = kept + lane; j < k; j += 32) row[j] = -1;
-    return;
-  }
-  for (int base = 0; base < k; base += 32) {
-    const int j = base + lane;
-    const int32_t e = j < k ? row[j] : -1;
-    const bool keep = e >= 0 && e < scores.cols && sc[e] != kNegInf;
-    const unsigned mask = __ballot_sync(kFullMask, keep);
-    __syncwarp();
-    if (keep) row[kept + __popc(mask & ((1u << lane) - 1))] = e;
-    kept += __popc(mask);
-    __syncwarp();
-  }
-  for (int j = kept + lane; j < k; j += 32) row[j] = -1;
 }
 
 }  // namespace dsv4::cuda::attn

@@ -308,16 +308,17 @@ __global__ void __launch_bounds__(kMmaIndexThreads) indexer_mma_kernel(const Ind
   float* out = row_ptr(a.scores, r);
   const int s = p.m.row_seq[r];
   Seq sq{};
-  int64_t visible = 0;
+  int64_t visible = 0, first = 0;
   if (s >= 0) {
     sq = load_seq(p.m.seqs, s);
     visible = (p.m.positions[r] + 1) / a.ratio;
+    first = first_row_of(a.keys, sq.slot);
   }
   const int64_t span = int64_t{p.tiles_per_block} * kMmaIndexTile;
   const int64_t k_begin = blockIdx.y * span;
   const int64_t k_end = k_begin + span < cols ? k_begin + span : cols;
   if (visible > cols) {
-    for (int64_t b = k_begin + tid; b < k_end; b += blockDim.x) out[b] = NAN;
+    for (int64_t b = k_begin + tid; b < k_end; b += blockDim.x) out[b] = absent_or(b, first, NAN);
     return;
   }
   for (int64_t b = (k_begin > visible ? k_begin : visible) + tid; b < k_end; b += blockDim.x) out[b] = kNegInf;
@@ -396,7 +397,7 @@ __global__ void __launch_bounds__(kMmaIndexThreads) indexer_mma_kernel(const Ind
     if (tid < kMmaIndexTile && base + tid < vis_end) {
       float total = 0.0f;
       for (int sl = 0; sl * 16 < HB; ++sl) total += red[sl * kMmaIndexTile + tid];
-      out[base + tid] = total;
+      out[base + tid] = absent_or(base + tid, first, total);
     }
     if (more) {
       cp_async_wait<0>();

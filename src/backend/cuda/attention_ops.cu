@@ -351,24 +351,6 @@ Status store_entries(const DeviceRows& pooled, int ratio, const StepMeta& m, con
   return Status::ok();
 }
 
-Status mask_absent_scores(const DevicePaged& keys, const StepMeta& m, const DeviceRows& scores, cudaStream_t stream) {
-  DSV4_TRY(check_meta(m, "mask_absent_scores"));
-  if (!keys.first_row || m.n == 0) return Status::ok();
-  cuda::launch_dependent(attn::mask_absent_scores_kernel, static_cast<unsigned>(m.n), 256, 0, stream, keys, m, scores);
-  DSV4_CUDA_TRY_LAUNCH();
-  return Status::ok();
-}
-
-Status drop_absent_selections(const DeviceRows& scores, const StepMeta& m, int32_t* idx, int64_t idx_ld, int k,
-                              cudaStream_t stream) {
-  DSV4_TRY(check_meta(m, "drop_absent_selections"));
-  if (m.n == 0) return Status::ok();
-  cuda::launch_dependent(attn::drop_absent_selections_kernel, static_cast<unsigned>(m.n), 32, 0, stream, scores, idx,
-                         idx_ld, k);
-  DSV4_CUDA_TRY_LAUNCH();
-  return Status::ok();
-}
-
 // ---- indexer, top-k ---------------------------------------------------------------------------
 
 Status indexer_scores(const IndexerArgs& a, const StepMeta& m, AttentionPrecision precision, cudaStream_t stream) {

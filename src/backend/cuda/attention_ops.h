@@ -132,12 +132,6 @@ Status compress_entries(const CompressArgs& a, const StepMeta& m, const finish::
 
 Status block_positions(const StepMeta& m, int ratio, int32_t* out, cudaStream_t stream);
 
-// Grafts: scores of entries below a slot's first row become -inf (after indexer_scores), and
-// selected entries whose score is -inf are dropped (after top_k, keeping the ascending
-// order and the -1 padding).
-Status mask_absent_scores(const DevicePaged& keys, const StepMeta& m, const DeviceRows& scores, cudaStream_t stream);
-Status drop_absent_selections(const DeviceRows& scores, const StepMeta& m, int32_t* idx, int64_t idx_ld, int k,
-                              cudaStream_t stream);
 Status store_entries(const DeviceRows& pooled, int ratio, const StepMeta& m, const DevicePaged& dst,
                      cudaStream_t stream);
 
@@ -152,9 +146,11 @@ struct IndexerArgs {
   int ratio = 0;
   DeviceRows scores;         // [n, cols]
 };
+// Scores of entries below a slot's first row (grafts: keys.first_row) are -inf.
 Status indexer_scores(const IndexerArgs& a, const StepMeta& m, AttentionPrecision precision, cudaStream_t stream);
 
-// idx [n][idx_ld], the first k columns written. Long rows are selected in two phases whose
+// idx [n][idx_ld], the first k columns written: the top-k of each row's visible scores in
+// ascending order, less the entries whose score is -inf (absent: grafts), then -1. Long rows are selected in two phases whose
 // candidates need top_k_workspace_bytes (0 for short rows).
 size_t top_k_workspace_bytes(const DeviceRows& scores, int ratio, const StepMeta& m, int k);
 Status top_k(const DeviceRows& scores, int ratio, const StepMeta& m, int k, int32_t* idx, int64_t idx_ld,

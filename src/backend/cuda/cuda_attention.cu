@@ -207,8 +207,7 @@ Status CudaBackend::indexer_scores(const Tensor& q, const Tensor& w, const Paged
   a.heads = static_cast<int>(n_heads);
   a.dk = static_cast<int>(dk);
   a.ratio = ratio;
-  DSV4_TRY(cuda::indexer_scores(a, m, precision_of(mode), impl_->stream));
-  return cuda::mask_absent_scores(a.keys, m, a.scores, impl_->stream);
+  return cuda::indexer_scores(a, m, precision_of(mode), impl_->stream);
 }
 
 Status CudaBackend::top_k(const Tensor& scores, int ratio, const StepRows& rows, int k, const Tensor& idx) {
@@ -224,9 +223,7 @@ Status CudaBackend::top_k(const Tensor& scores, int ratio, const StepRows& rows,
   if (bytes) {
     DSV4_ASSIGN_OR_RETURN(workspace, impl_->scratch_bytes(bytes));
   }
-  DSV4_TRY(cuda::top_k(sc, ratio, m, k, reinterpret_cast<int32_t*>(ir.data), ir.ld, workspace, bytes, impl_->stream));
-  // -inf marks an entry that does not exist (grafts): never selected (backend.h).
-  return cuda::drop_absent_selections(sc, m, reinterpret_cast<int32_t*>(ir.data), ir.ld, k, impl_->stream);
+  return cuda::top_k(sc, ratio, m, k, reinterpret_cast<int32_t*>(ir.data), ir.ld, workspace, bytes, impl_->stream);
 }
 
 }  // namespace dsv4::backend

@@ -38,6 +38,12 @@ __device__ __forceinline__ uint32_t order_key(float x) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// order_key(-inf): a score of -inf marks an entry that does not exist (grafts, backend.h). It
+// takes part in the selection like any key but is never written out: the selection is the
+// top-k's with those entries dropped, in order, and -1 padding after the rest (what a
+// separate one-warp pass over the top-k's output did, 11 us a CSA layer at one row in ncu).
+constexpr uint32_t kAbsentKey = ~0xff800000u;
+
 struct TopKKernelArgs {
   DeviceRows scores;
   int ratio = 0;
@@ -56,13 +62,71 @@ struct TopKShared {
   int hist[256];
   int pick_bin, pick_above;
   int warp_gt[NW], warp_eq[NW], warp_eq_base[NW], warp_out_base[NW];
+  int written;
 };
 
-// The whole block: out[0..take) = index_of(position) of the `take` largest of
-// key_at(0..len) (ties: lower position first), in ascending position order.
+// The whole block, in ascending position order: index_of(position) of every key of
+// key_at(0..len) above `threshold` and of the first `need` keys equal to it, except absent ones
+// (kAbsentKey) when drop_absent, written to out. Returns how many were written.
 template <int THREADS, class KeyAt, class IndexOf>
-__device__ void block_select(int len, int take, const KeyAt& key_at, const IndexOf& index_of, int32_t* out,
-                             TopKShared<THREADS / 32>& sh) {
+__device__ int block_compact(int len, uint32_t threshold, int need, bool drop_absent, const KeyAt& key_at,
+                             const IndexOf& index_of, int32_t* out, TopKShared<THREADS / 32>& sh) {
+  constexpr int NW = THREADS / 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Warp w owns a contiguous segment, lanes read it 32 at a time. gt: keys above the
+  // threshold that are written; ties at an absent threshold are never written.
+  const bool write_ties = !(drop_absent && threshold == kAbsentKey);
+  const int seg = ((len + NW - 1) / NW + 31) / 32 * 32;
+  const int w_begin = warp * seg, w_end = w_begin + seg < len ? w_begin + seg : len;
+  int gt = 0, eq = 0;
+  for (int base = w_begin; base < w_end; base += 32) {
+    const int i = base + lane;
+    const uint32_t key = i < w_end ? key_at(i) : 0;
+    gt += __popc(__ballot_sync(kFullMask, i < w_end && key > threshold && !(drop_absent && key == kAbsentKey)));
+    eq += __popc(__ballot_sync(kFullMask, i < w_end && key == threshold));
+  }
+  if (lane == 0) {
+    sh.warp_gt[warp] = gt;
+    sh.warp_eq[warp] = eq;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int eq_before = 0, out_before = 0;
+    for (int w = 0; w < NW; ++w) {
+      sh.warp_eq_base[w] = eq_before;
+      sh.warp_out_base[w] = out_before;
+      int ties = need - eq_before;
+      ties = ties < 0 ? 0 : (ties > sh.warp_eq[w] ? sh.warp_eq[w] : ties);
+      out_before += sh.warp_gt[w] + (write_ties ? ties : 0);
+      eq_before += sh.warp_eq[w];
+    }
+    sh.written = out_before;
+  }
+  __syncthreads();
+  const int written = sh.written;
+  int eq_run = sh.warp_eq_base[warp], out_run = sh.warp_out_base[warp];
+  const unsigned below = (1u << lane) - 1;
+  for (int base = w_begin; base < w_end; base += 32) {
+    const int i = base + lane;
+    const uint32_t key = i < w_end ? key_at(i) : 0;
+    const bool is_eq = i < w_end && key == threshold;
+    const unsigned eq_mask = __ballot_sync(kFullMask, is_eq);
+    const bool pick = (i < w_end && key > threshold) || (is_eq && eq_run + __popc(eq_mask & below) < need);
+    const bool write = pick && !(drop_absent && key == kAbsentKey);
+    const unsigned write_mask = __ballot_sync(kFullMask, write);
+    if (write) out[out_run + __popc(write_mask & below)] = index_of(i);
+    eq_run += __popc(eq_mask);
+    out_run += __popc(write_mask);
+  }
+  return written;
+}
+
+// The whole block: index_of(position) of the `take` largest of key_at(0..len) (ties: lower
+// position first), in ascending position order, less absent ones when drop_absent, to out.
+// Returns how many were written.
+template <int THREADS, class KeyAt, class IndexOf>
+__device__ int block_select(int len, int take, bool drop_absent, const KeyAt& key_at, const IndexOf& index_of,
+                            int32_t* out, TopKShared<THREADS / 32>& sh) {
   constexpr int NW = THREADS / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Radix select: after each pass `prefix` holds the k-th largest key's top bits and `need`
@@ -126,47 +190,7 @@ __device__ void block_select(int len, int take, const KeyAt& key_at, const Index
     __syncthreads();
   }
   const uint32_t threshold = prefix;  // the take-th largest key; `need` of its ties are taken
-
-  // Index-ordered compaction: warp w owns a contiguous segment, lanes read it 32 at a time.
-  const int seg = ((len + NW - 1) / NW + 31) / 32 * 32;
-  const int w_begin = warp * seg, w_end = w_begin + seg < len ? w_begin + seg : len;
-  int gt = 0, eq = 0;
-  for (int base = w_begin; base < w_end; base += 32) {
-    const int i = base + lane;
-    const uint32_t key = i < w_end ? key_at(i) : 0;
-    gt += __popc(__ballot_sync(kFullMask, i < w_end && key > threshold));
-    eq += __popc(__ballot_sync(kFullMask, i < w_end && key == threshold));
-  }
-  if (lane == 0) {
-    sh.warp_gt[warp] = gt;
-    sh.warp_eq[warp] = eq;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    int eq_before = 0, out_before = 0;
-    for (int w = 0; w < NW; ++w) {
-      sh.warp_eq_base[w] = eq_before;
-      sh.warp_out_base[w] = out_before;
-      int ties = need - eq_before;
-      ties = ties < 0 ? 0 : (ties > sh.warp_eq[w] ? sh.warp_eq[w] : ties);
-      out_before += sh.warp_gt[w] + ties;
-      eq_before += sh.warp_eq[w];
-    }
-  }
-  __syncthreads();
-  int eq_run = sh.warp_eq_base[warp], out_run = sh.warp_out_base[warp];
-  const unsigned below = (1u << lane) - 1;
-  for (int base = w_begin; base < w_end; base += 32) {
-    const int i = base + lane;
-    const uint32_t key = i < w_end ? key_at(i) : 0;
-    const bool is_eq = i < w_end && key == threshold;
-    const unsigned eq_mask = __ballot_sync(kFullMask, is_eq);
-    const bool pick = (i < w_end && key > threshold) || (is_eq && eq_run + __popc(eq_mask & below) < need);
-    const unsigned pick_mask = __ballot_sync(kFullMask, pick);
-    if (pick) out[out_run + __popc(pick_mask & below)] = index_of(i);
-    eq_run += __popc(eq_mask);
-    out_run += __popc(pick_mask);
-  }
+  return block_compact<THREADS>(len, threshold, need, drop_absent, key_at, index_of, out, sh);
 }
 
 __device__ __forceinline__ int visible_scores(const TopKKernelArgs& p, int r) {
@@ -187,25 +211,27 @@ __global__ void __launch_bounds__(THREADS) top_k_kernel(const TopKKernelArgs p) 
   const int v = visible_scores(p, r);
   const int take = p.k < v ? p.k : v;
   int32_t* out = p.idx + static_cast<int64_t>(r) * p.idx_ld;
-  if (take == v) {  // every visible entry (none for padding rows), then -1
-    for (int j = tid; j < p.k; j += THREADS) out[j] = j < v ? j : -1;
-    return;
-  }
   const float* row = row_ptr(p.scores, r);
-  if (p.chunks > 0 && v <= p.chunks * p.chunk) {  // (a row past the plan's bound reads all its scores)
+  const auto key_of_row = [&](int i) { return order_key(row[i]); };
+  const auto position = [](int i) { return i; };
+  int written = 0;
+  if (take == v) {  // every visible entry that exists (none for padding rows)
+    written = block_compact<THREADS>(v, 0u, v, true, key_of_row, position, out, sh);
+  } else if (p.chunks > 0 && v <= p.chunks * p.chunk) {  // (a row past the plan's bound reads all its scores)
     const int32_t* cand = p.cand + static_cast<int64_t>(r) * p.chunks * p.k;
     const int len = p.chunks * p.k;  // <= stage_cap (host)
     for (int i = tid; i < len; i += THREADS) staged[i] = cand[i] >= 0 ? order_key(row[cand[i]]) : 0u;
     __syncthreads();
-    block_select<THREADS>(len, take, [&](int i) { return staged[i]; }, [&](int i) { return cand[i]; }, out, sh);
+    written = block_select<THREADS>(len, take, true, [&](int i) { return staged[i]; }, [&](int i) { return cand[i]; },
+                                    out, sh);
   } else if (v <= p.stage_cap) {
     for (int i = tid; i < v; i += THREADS) staged[i] = order_key(row[i]);
     __syncthreads();
-    block_select<THREADS>(v, take, [&](int i) { return staged[i]; }, [](int i) { return i; }, out, sh);
+    written = block_select<THREADS>(v, take, true, [&](int i) { return staged[i]; }, position, out, sh);
   } else {
-    block_select<THREADS>(v, take, [&](int i) { return order_key(row[i]); }, [](int i) { return i; }, out, sh);
+    written = block_select<THREADS>(v, take, true, key_of_row, position, out, sh);
   }
-  for (int j = take + tid; j < p.k; j += THREADS) out[j] = -1;
+  for (int j = written + tid; j < p.k; j += THREADS) out[j] = -1;
 }
 
 // First phase: block (r, c) writes the top-k of chunk c of row r's visible scores as
@@ -228,12 +254,13 @@ __global__ void __launch_bounds__(THREADS) top_k_chunk_kernel(const TopKKernelAr
   }
   const float* row = row_ptr(p.scores, r) + begin;
   const auto index_of = [&](int i) { return begin + i; };
+  // Absent entries stay among the candidates: the second phase selects as one phase would.
   if (len <= p.stage_cap) {
     for (int i = tid; i < len; i += THREADS) staged[i] = order_key(row[i]);
     __syncthreads();
-    block_select<THREADS>(len, take, [&](int i) { return staged[i]; }, index_of, out, sh);
+    block_select<THREADS>(len, take, false, [&](int i) { return staged[i]; }, index_of, out, sh);
   } else {
-    block_select<THREADS>(len, take, [&](int i) { return order_key(row[i]); }, index_of, out, sh);
+    block_select<THREADS>(len, take, false, [&](int i) { return order_key(row[i]); }, index_of, out, sh);
   }
 }
 
