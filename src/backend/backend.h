@@ -454,8 +454,9 @@ class Backend {
   virtual Status route(const Tensor& logits, const Tensor* bias, const Tensor* tid2eid,
                        const Tensor& tokens, int k, float route_scale, const Tensor& experts,
                        const Tensor& weights) = 0;
-  // Routed experts (spec §4.3): y[s] += sum_j weights[s,j] * expert_{experts[s,j]}(x[s]),
-  // gate/up [E, I, D], down [E, D, I], SwiGLU with the clamp `limit`.
+  // Routed experts (spec §4.3): y[s] = sum_j weights[s,j] * expert_{experts[s,j]}(x[s]), the
+  // sum from +0 in slot order (y is written, not added to: no fill before it and no add of a
+  // separate sum after it), gate/up [E, I, D], down [E, D, I], SwiGLU with the clamp `limit`.
   virtual Status moe_experts(const Tensor& x, const Tensor& gate, const Tensor& up,
                              const Tensor& down, const Tensor& experts, const Tensor& weights,
                              float limit, MatmulMode mode, const Tensor& y) = 0;

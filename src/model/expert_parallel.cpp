@@ -73,8 +73,8 @@ Status expert_parallel_moe(backend::Backend& be, backend::Collective& comm, cons
   DSV4_TRY(comm.all_gather(static_cast<const float*>(mine_out.data), static_cast<float*>(all.data),
                            static_cast<size_t>(most * d)));
 
-  // Slot-major order: block j holds every token's slot j, so y += block 0, += block 1, ...
-  // adds in the order Backend::moe_experts does.
+  // Slot-major order: block j holds every token's slot j, so y = +0, += block 0, += block 1,
+  // ... adds in the order Backend::moe_experts does.
   std::vector<int32_t> gather(n * k);
   for (int64_t s = 0; s < n; ++s)
     for (int64_t j = 0; j < k; ++j) gather[j * n + s] = static_cast<int32_t>(owner[s * k + j] * most + row_of[s * k + j]);
@@ -82,6 +82,7 @@ Status expert_parallel_moe(backend::Backend& be, backend::Collective& comm, cons
   DSV4_TRY(be.upload(gather_ids, gather.data(), gather.size() * sizeof(int32_t)));
   DSV4_ASSIGN_OR_RETURN(Tensor slots, be.alloc(GgmlType::F32, std::vector<int64_t>{n * k, d}));
   DSV4_TRY(be.get_rows(all, gather_ids, slots));
+  DSV4_TRY(be.fill(y, 0.0f));
   for (int64_t j = 0; j < k; ++j) DSV4_TRY(be.add(slots.slice(j * n, n), y));
   return Status::ok();
 }

@@ -25,7 +25,8 @@ struct ExpertShard {
   backend::Tensor gate, up, down;
 };
 
-// y (F32 [n, D]) += sum_j weights[s, j] * expert_{experts[s, j]}(x[s]); x F32 [n, D],
+// y (F32 [n, D]) = sum_j weights[s, j] * expert_{experts[s, j]}(x[s]) (Backend::moe_experts:
+// from +0, in slot order; y is written); x F32 [n, D],
 // experts I32 [n, k], weights F32 [n, k], the same on every rank (a rank's tensors on its
 // backend). Every rank calls it, each from its own thread, with its own shard.
 Status expert_parallel_moe(backend::Backend& be, backend::Collective& comm, const ExpertShard& shard,

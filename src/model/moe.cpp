@@ -36,9 +36,8 @@ Result<Tensor> ForwardPass::moe(const LayerPlan& layer, const Tensor& x, const S
   DSV4_TRY(note(b, "router_experts", experts));
   DSV4_TRY(note(b, "router_weights", weights));
 
-  // Routed and shared experts both add into y.
+  // The routed experts write y, and the shared expert adds into it (or into its own sum).
   DSV4_ASSIGN_OR_RETURN(Tensor y, f32({n, static_cast<int64_t>(c.hidden)}));
-  DSV4_TRY(be.fill(y, 0.0f));
   DSV4_TRY(be.moe_experts(x, bw.gate_exps, bw.up_exps, bw.down_exps, experts, weights,
                           layer.swiglu_limit, mode, y));
   if (!shared.valid()) {

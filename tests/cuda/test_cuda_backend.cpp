@@ -981,15 +981,20 @@ TEST_P(CudaExperts, RoutedAndSharedBothModes) {
       const bool exact = mode == MatmulMode::Exact;
       const std::string what = std::string("moe_experts ") + (exact ? "exact " : "quantized ") + type_name(c.gate_up) +
                                "/" + type_name(c.down) + " tokens " + std::to_string(n) + " seed " + std::to_string(seed);
-      // The reference is always the CPU's Exact: y starts from y0 (the op adds).
+      // The reference is always the CPU's Exact. y holds y0 before: the op writes it.
       const Both y = f32({n, d}, y0);
       ASSERT_TRUE(cpu_->moe_experts(x.cpu, gate_.cpu, up_.cpu, down_.cpu, ex.cpu, wt.cpu, 10.0f, MatmulMode::Exact, y.cpu).is_ok());
       ASSERT_TRUE(gpu_->moe_experts(x.gpu, gate_.gpu, up_.gpu, down_.gpu, ex.gpu, wt.gpu, 10.0f, mode, y.gpu).is_ok()) << what;
-      // Compare the added parts: y - y0.
       auto got = fetch<float>(*gpu_, y.gpu), want = fetch<float>(*cpu_, y.cpu);
-      for (size_t i = 0; i < got.size(); ++i) {
-        got[i] -= y0[i];
-        want[i] -= y0[i];
+      {  // y a column view (rows not contiguous): the same bits, the columns beside it untouched
+        std::mt19937_64 wide_rng(seed + 7);
+        const std::vector<float> wide0 = normal(n * (d + 8), wide_rng);
+        const Both wide = f32({n, d + 8}, wide0);
+        ASSERT_TRUE(gpu_->moe_experts(x.gpu, gate_.gpu, up_.gpu, down_.gpu, ex.gpu, wt.gpu, 10.0f, mode,
+                                      wide.columns(4, d).gpu).is_ok()) << what;
+        std::vector<float> expect = wide0;
+        for (int64_t r = 0; r < n; ++r) std::copy_n(got.begin() + r * d, d, expect.begin() + r * (d + 8) + 4);
+        expect_identical(fetch<float>(*gpu_, wide.gpu), expect, what + ": y a column view");
       }
       // The fused quantised kernels (cuda_moe.cu's condition): per token against their own
       // arithmetic on the host, all tokens together against the exact product. Per token the

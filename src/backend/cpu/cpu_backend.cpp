@@ -940,12 +940,14 @@ Status CpuBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tensor
     DSV4_TRY(matmul(down.at(e), g, o, mode));
     for (int64_t i = 0; i < m; ++i) std::copy(f32_row(o, i), f32_row(o, i) + d, f32_row(outs, pe[i]));
   }
-  for (int64_t s = 0; s < n; ++s)
+  for (int64_t s = 0; s < n; ++s) {
+    float* out = f32_row(y, s);
+    std::fill(out, out + d, 0.0f);
     for (int64_t j = 0; j < k; ++j) {
       const float* a = f32_row(outs, s * k + j);
-      float* out = f32_row(y, s);
       for (int64_t i = 0; i < d; ++i) out[i] += a[i];
     }
+  }
   return Status::ok();
 }
 

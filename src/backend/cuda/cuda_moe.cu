@@ -130,25 +130,17 @@ __global__ void swiglu_kernel(Mat<float> g, Mat<float> u, float limit, const flo
   }
 }
 
-// y[s] += outs[s*k + j] for j in slot order (slots naming no valid expert add nothing).
+// y[s] = +0 + outs[s*k + j] for j in slot order (slots naming no valid expert add nothing).
 __global__ void sum_slots_kernel(const float* __restrict__ outs, const int32_t* __restrict__ ids, int64_t ld_ids,
                                  int64_t n_experts, int k, Mat<float> y) {
   ::dsv4::cuda::dependent_kernel_prologue();
   DSV4_ROW_TILE(s, i, y.rows, y.cols) {
-    float acc = y.row(s)[i];
+    float acc = 0.0f;
     for (int j = 0; j < k; ++j) {
       const int32_t e = ids[s * ld_ids + j];
       if (e >= 0 && e < n_experts) acc = __fadd_rn(acc, outs[(s * k + j) * y.cols + i]);
     }
     y.row(s)[i] = acc;
-  }
-}
-
-__global__ void add_rows_kernel(const float* __restrict__ x, Mat<float> y) {
-  ::dsv4::cuda::dependent_kernel_prologue();
-  DSV4_ROW_TILE(r, c, y.rows, y.cols) {
-    float* o = y.row(r) + c;
-    *o = __fadd_rn(*o, x[r * y.cols + c]);
   }
 }
 
@@ -248,8 +240,9 @@ Status CudaBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tenso
                          cuda::matvec_supported(down.type) && d % 32 == 0 && inter % 32 == 0 &&
                          d % ggml_traits(gate.type).block_elems == 0 && inter % ggml_traits(down.type).block_elems == 0;
   if (quantized) {
-    // The fused kernels overwrite their output: into scratch, then added to y. They read ids
-    // unchecked, so they must come from route (always in range).
+    // The fused kernels write their output (each token's slot sum from +0, as the op's
+    // contract): straight into y when its rows are contiguous. They read ids unchecked, so
+    // they must come from route (always in range).
     const float* xp = xv.p;
     if (xv.ld != d) {
       DSV4_ASSIGN_OR_RETURN(void* tmp, m.scratch_bytes(static_cast<size_t>(n * d) * 4));
@@ -258,15 +251,17 @@ Status CudaBackend::moe_experts(const Tensor& x, const Tensor& gate, const Tenso
     }
     const cuda::ExpertWeights ew{gate.type, gate.data, up.data, down.type, down.data, n_experts, d, inter};
     const cuda::ExpertRouting routing{ids, pair_w, n, static_cast<int>(k)};
-    DSV4_ASSIGN_OR_RETURN(void* out, m.scratch_bytes(static_cast<size_t>(n * d) * 4));
+    void* out = yv.p;
+    if (yv.ld != d) {
+      DSV4_ASSIGN_OR_RETURN(out, m.scratch_bytes(static_cast<size_t>(n * d) * 4));
+    }
     const size_t ws_bytes = cuda::moe_experts_workspace_bytes(ew, n, static_cast<int>(k));
     DSV4_ASSIGN_OR_RETURN(void* ws, m.scratch_bytes(ws_bytes));
     // The kernels clamp with `limit` unconditionally; the reference clamps only when L > 0.
     const float clamp = limit > 0 ? limit : INFINITY;
     DSV4_TRY(cuda::moe_experts(ew, xp, routing, clamp, static_cast<float*>(out), ws, ws_bytes, m.stream));
-    cuda::launch_dependent(add_rows_kernel, cudaops::row_tile_grid(n, d), cudaops::kRowTileThreads, 0, m.stream,
-                           static_cast<const float*>(out), yv);
-    DSV4_CUDA_TRY_LAUNCH();
+    if (out != yv.p)
+      DSV4_CUDA_TRY(cudaMemcpy2DAsync(yv.p, yv.ld * 4, out, d * 4, d * 4, n, cudaMemcpyDeviceToDevice, m.stream));
     return Status::ok();
   }
 
