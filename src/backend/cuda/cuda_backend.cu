@@ -441,10 +441,15 @@ __global__ void round_fp8_kernel(Mat<float> x, int64_t cols, int64_t block) {
     cuda::finish::round_fp8_warp(x.row(idx / per_row) + (idx % per_row) * block, block, lane);
 }
 
+// cpu::round_fp4_block on each block of a row; one warp per block (round_fp4_warp).
 __global__ void round_fp4_kernel(Mat<float> x, int64_t block) {
   ::dsv4::cuda::dependent_kernel_prologue();
   const int64_t per_row = x.cols / block;
-  DSV4_GRID_STRIDE(idx, x.rows * per_row) ref::round_fp4_block(x.row(idx / per_row) + (idx % per_row) * block, block);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; idx < x.rows * per_row;
+       idx += warps)
+    cuda::finish::round_fp4_warp(x.row(idx / per_row) + (idx % per_row) * block, block, lane);
 }
 
 __global__ void round_fp4_e4m3_kernel(Mat<float> x, int64_t block) {
@@ -1422,7 +1427,7 @@ Status CudaBackend::round_fp4_blocks(const Tensor& x, int64_t block) {
     return Status::errorf("round_fp4_blocks: blocks of {} of {}", block, x.describe());
   const int64_t count = xv.rows * (xv.cols / block);
   if (count == 0) return Status::ok();
-  cuda::launch_dependent(round_fp4_kernel, cudaops::grid_for(count, 128), 128, 0, impl_->stream, xv, block);
+  cuda::launch_dependent(round_fp4_kernel, cudaops::grid_for(count * 32, 128), 128, 0, impl_->stream, xv, block);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

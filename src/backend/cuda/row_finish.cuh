@@ -75,6 +75,22 @@ __device__ inline void round_fp8_warp(float* p, int64_t block, int lane) {
   }
 }
 
+// cpu::round_fp4_block on the `block` values at p by one warp, as round_fp8_warp: the same
+// values as the one-thread reference (ref::round_fp4_block), whose ~1000-instruction chain per
+// 32 values (one thread a block) was most of the indexer queries' finish at one row.
+__device__ inline void round_fp4_warp(float* p, int64_t block, int lane) {
+  float amax = 0.0f;
+  for (int64_t i = lane; i < block; i += 32) amax = ref::std_max(amax, ref::abs(p[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = ref::std_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  amax = ref::std_max(amax, 6.0f * 0x1p-126f);
+  const float sc = ref::pow2_ceil(ref::mul(amax, 1.0f / 6.0f));
+  for (int64_t i = lane; i < block; i += 32) {
+    const float r = ref::std_clamp(ref::div(p[i], sc), -6.0f, 6.0f);
+    p[i] = ref::mul(e2m1_to_f32(f32_to_e2m1(r)), sc);
+  }
+}
+
 // In place on the group v (shared memory, s.group floats) by the whole block; the RoPE at
 // `position`. Begins and ends with the block synchronised.
 __device__ inline void finish_group(float* v, const Spec& s, int32_t position) {
@@ -98,15 +114,14 @@ __device__ inline void finish_group(float* v, const Spec& s, int32_t position) {
     __syncthreads();
   }
   if (s.hadamard) hadamard_in_shared(v, width);
-  if (s.round == kRoundFp8) {
-    // A warp per block of columns, as round_fp8_kernel.
+  if (s.round != kRoundNone) {
+    // A warp per block of columns, as round_fp8_kernel and round_fp4_kernel.
     const int lane = static_cast<int>(threadIdx.x & 31), warps = static_cast<int>(blockDim.x / 32);
-    for (int64_t b = threadIdx.x / 32; b < s.round_cols / s.round_block; b += warps)
-      round_fp8_warp(v + b * s.round_block, s.round_block, lane);
-    __syncthreads();
-  } else if (s.round == kRoundFp4) {
-    for (int64_t b = threadIdx.x; b < width / s.round_block; b += blockDim.x)
-      ref::round_fp4_block(v + b * s.round_block, s.round_block);
+    const int64_t blocks = (s.round == kRoundFp8 ? s.round_cols : width) / s.round_block;
+    for (int64_t b = threadIdx.x / 32; b < blocks; b += warps) {
+      if (s.round == kRoundFp8) round_fp8_warp(v + b * s.round_block, s.round_block, lane);
+      else round_fp4_warp(v + b * s.round_block, s.round_block, lane);
+    }
     __syncthreads();
   }
 }
