@@ -127,7 +127,6 @@ __device__ int block_compact(int len, uint32_t threshold, int need, bool drop_ab
 template <int THREADS, class KeyAt, class IndexOf>
 __device__ int block_select(int len, int take, bool drop_absent, const KeyAt& key_at, const IndexOf& index_of,
                             int32_t* out, TopKShared<THREADS / 32>& sh) {
-  constexpr int NW = THREADS / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Radix select: after each pass `prefix` holds the k-th largest key's top bits and `need`
   // how many keys with exactly those bits are still to be taken.
