@@ -51,7 +51,8 @@
 # spec part), DSV4_GPU_INVARIANT=0 (no --batch-invariant figures), DSV4_GPU_INVARIANT_BATCHES
 # (16,64), DSV4_GPU_SPEC_RUN=0 (no dsv4 run comparison), DSV4_GPU_LANES_OFF=1 (decode again with
 # the backend's lanes off, DSV4_CUDA_LANES=0), DSV4_GPU_MOE_STAGE_BYTES="8192 ..." (decode again
-# with the decode experts' stages of that many bytes).
+# with the decode experts' stages of that many bytes), DSV4_GPU_MOE_VARIANTS="1 2" (decode again
+# with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
 # peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
@@ -397,6 +398,16 @@ if has flash || has serve || has spec; then
       --backend cuda --label "flash$layers-moestage$stage_bytes" --parts decode,aggregate --depths 4096 --batches 16,64 \
       --batch-depth 4096 --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_moestage$stage_bytes.log" | cut -d'|' -f3-6
+  done
+  # DSV4_GPU_MOE_VARIANTS="1 2": decode and aggregate decode at 4K again with the decode experts'
+  # kernel variant (DSV4_MOE_DECODE_VARIANT, moe_decode.cu: 1 two rows a pass, 2 gate/up blocks of
+  # 8 warps), all with the default's bits; the default run above is the baseline in the same call.
+  for variant in ${DSV4_GPU_MOE_VARIANTS:-}; do
+    [ -f "$flash" ] || break
+    step "dsv4_moevariant$variant" 120 env DSV4_MOE_DECODE_VARIANT="$variant" "$bin/dsv4" bench -m "$flash" \
+      --backend cuda --label "flash$layers-moevariant$variant" --parts decode,aggregate --depths 4096 --batches 16,64 \
+      --batch-depth 4096 --steps 16 --repeats 3
+    grep -a '^TABLE|' "$work/dsv4_moevariant$variant.log" | cut -d'|' -f3-6
   done
   # DSV4_GPU_FLASH_NO_MTP=1: the same decode on the same layers written without the MTP block
   # (does carrying the MTP block change a trunk step?).

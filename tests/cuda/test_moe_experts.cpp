@@ -231,6 +231,110 @@ TEST(MoeDecode, FlashShapes) {
   }
 }
 
+// Every decode kernel variant (DSV4_MOE_DECODE_VARIANT, moe_experts.h) against the reference
+// and bit-identical to variant 0 (all claim its bits), over shapes whose lane groups differ
+// (hidden 4096 / 1024 / 256: 32, 8 and 2 lanes a Q2_K row, 1 a Q6_K row at 256; ffn 2048 /
+// 512 / 256: 16, 4 and 2 lanes a Q3_K row), odd expert counts, top_k 1-8 and 1-16 tokens
+// (partial stages, last blocks); and the last token alone gives its bits among the others.
+class MoeDecodeVariants : public ::testing::TestWithParam<TypePair> {};
+
+TEST_P(MoeDecodeVariants, MatchDefaultBits) {
+  const auto [gu_type, down_type] = GetParam();
+  std::mt19937_64 rng(dsv4::test::test_seed() + 13);
+  SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
+  struct Shape {
+    int64_t experts, hidden, ffn;
+    int top_k;
+    std::vector<int64_t> tokens;
+  };
+  for (const Shape& shape : {Shape{7, 4096, 2048, 6, {1, 3}}, Shape{9, 1024, 512, 8, {1, 2, 5, 16}},
+                             Shape{5, 1024, 512, 1, {1, 16}}, Shape{3, 256, 256, 3, {1, 7}}}) {
+    const auto [experts, hidden, ffn, top_k, token_counts] = shape;
+    SCOPED_TRACE("experts " + std::to_string(experts) + ", hidden " + std::to_string(hidden) + ", ffn " +
+                 std::to_string(ffn) + ", top_k " + std::to_string(top_k));
+    const auto gate = random_weights(gu_type, experts * ffn, hidden, rng);
+    const auto up = random_weights(gu_type, experts * ffn, hidden, rng);
+    const auto down = random_weights(down_type, experts * hidden, ffn, rng);
+    const auto gate_f = dequantize(gu_type, gate.data(), experts * ffn, hidden);
+    const auto up_f = dequantize(gu_type, up.data(), experts * ffn, hidden);
+    const auto down_f = dequantize(down_type, down.data(), experts * hidden, ffn);
+    DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
+    const ExpertWeights w{gu_type, d_gate.get(), d_up.get(), down_type, d_down.get(), experts, hidden, ffn};
+    for (const int64_t tokens : token_counts) {
+      SCOPED_TRACE("tokens " + std::to_string(tokens));
+      ASSERT_TRUE(detail::moe_decode_applies(w, tokens, top_k));
+      // x scaled so that some gate and up sums pass the clamp.
+      std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(tokens * hidden), rng);
+      double rms = 0.0;
+      for (int64_t i = 0; i < 32; ++i) {
+        double g = 0.0;
+        for (int64_t j = 0; j < hidden; ++j) g += static_cast<double>(gate_f[i * hidden + j]) * x[j];
+        rms += g * g;
+      }
+      const float scale = static_cast<float>(8.0 / std::sqrt(rms / 32 + 1e-30));
+      for (auto& v : x) v *= scale;
+      std::vector<int32_t> ids(static_cast<size_t>(tokens * top_k));
+      std::vector<float> weights(ids.size());
+      std::vector<int32_t> perm(static_cast<size_t>(experts));
+      std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (int s = 0; s < top_k; ++s) {
+          ids[t * top_k + s] = perm[s];
+          weights[t * top_k + s] = uni(rng) * 1.5f / static_cast<float>(top_k);
+        }
+      }
+      std::vector<double> want;
+      reference_experts(gate_f, up_f, down_f, hidden, ffn, x, ids, weights, top_k, want);
+
+      DeviceBuffer d_x = DeviceBuffer::from(x), d_ids = DeviceBuffer::from(ids), d_w = DeviceBuffer::from(weights);
+      DeviceBuffer d_y(static_cast<size_t>(tokens * hidden) * sizeof(float));
+      DeviceBuffer ws(detail::moe_decode_workspace_bytes(w, tokens, top_k));
+      const ExpertRouting routing{d_ids.get<int32_t>(), d_w.get<float>(), tokens, top_k};
+      std::vector<float> base;
+      for (int variant = 0; variant < detail::kMoeDecodeVariants; ++variant) {
+        SCOPED_TRACE("variant " + std::to_string(variant));
+        detail::set_moe_decode_variant(variant);
+        ws.poison();
+        d_y.poison();
+        ASSERT_OK(detail::moe_decode(w, d_x.get<float>(), routing, kLimit, d_y.get<float>(), ws.get(), ws.bytes(),
+                                     nullptr));
+        ASSERT_CUDA(cudaDeviceSynchronize());
+        const auto y = d_y.to_host<float>(want.size());
+        EXPECT_LT(relative_error(y, want), kBound);
+        if (variant == 0) {
+          base = y;
+        } else {
+          EXPECT_EQ(0, std::memcmp(base.data(), y.data(), y.size() * sizeof(float)))
+              << "variant " << variant << " differs from variant 0";
+        }
+        if (tokens > 1) {  // the last token alone: the same bits as among the others
+          d_y.poison();
+          const ExpertRouting last{d_ids.get<int32_t>() + (tokens - 1) * top_k, d_w.get<float>() + (tokens - 1) * top_k,
+                                   1, top_k};
+          ASSERT_OK(detail::moe_decode(w, d_x.get<float>() + (tokens - 1) * hidden, last, kLimit, d_y.get<float>(),
+                                       ws.get(), ws.bytes(), nullptr));
+          ASSERT_CUDA(cudaDeviceSynchronize());
+          const auto alone = d_y.to_host<float>(static_cast<size_t>(hidden));
+          EXPECT_EQ(0, std::memcmp(alone.data(), y.data() + (tokens - 1) * hidden, alone.size() * sizeof(float)))
+              << "the last token alone differs";
+        }
+      }
+      detail::set_moe_decode_variant(0);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, MoeDecodeVariants,
+                         ::testing::Values(TypePair{GgmlType::Q2_K, GgmlType::Q3_K}, TypePair{GgmlType::Q2_K, GgmlType::Q2_K},
+                                           TypePair{GgmlType::Q8_0, GgmlType::Q8_0}, TypePair{GgmlType::Q4_K, GgmlType::Q6_K},
+                                           TypePair{GgmlType::Q3_K, GgmlType::Q4_K}, TypePair{GgmlType::Q6_K, GgmlType::Q8_0},
+                                           TypePair{GgmlType::MXFP4, GgmlType::MXFP4}),
+                         [](const ::testing::TestParamInfo<TypePair>& info) {
+                           return type_name(info.param.gate_up) + "_" + type_name(info.param.down);
+                         });
+
 // The wgmma tiles (moe_wgmma.h) on their own: 16 experts with skewed routing, so that tiles
 // hold from a few to 128 pairs (the 64- and 128-column products, experts split over several
 // tiles), against the double-precision reference; the same bits on a second run. BF16
