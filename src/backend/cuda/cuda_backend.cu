@@ -273,7 +273,7 @@ __device__ void hc_split_sinkhorn_block(const float* mixes, float rho, const flo
   if (mine) comb[t] = v;
 }
 
-// The comb part of hc_split_sinkhorn_block on warp 0 alone (n * n <= 32): the same entries, the
+// The comb part of hc_split_sinkhorn_block on one warp alone (n * n <= 32; hc_pre_kernel's warp 0): the same entries, the
 // same operations in the same order, so the other warps of the block can do the collapse
 // meanwhile. Lane t holds entry t in a register and reads a row's or column's entries by
 // shuffles (all loaded before the sum, which then runs in index order): a half-step is one
@@ -289,7 +289,7 @@ __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float
   constexpr unsigned kAll = 0xFFFFFFFFu;
   constexpr int kLine = kN > 0 ? kN : kMaxHc;
   const int n = kN > 0 ? kN : n_runtime;
-  const int t = static_cast<int>(threadIdx.x);
+  const int t = static_cast<int>(threadIdx.x) & 31;  // any one warp of the block
   const bool mine = t < n * n;
   const int j = mine ? t / n : 0, k = mine ? t % n : 0;
   float v = mine ? ref::fma(ref::mul(mixes[2 * n + t], rho), scale[2], base[2 * n + t]) : 0.0f;
@@ -1585,6 +1585,8 @@ Status CudaBackend::hc_pre_launch(const Tensor& streams, const Tensor& mixes, co
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }
+
+bool CudaBackend::hc_cluster_active() const { return impl_->hc_cluster; }
 
 Status CudaBackend::hc_pre_norm_from_fn(const Tensor& fn, const Tensor& streams, MatmulMode mode, const Tensor& scale,
                                         const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps,

@@ -118,6 +118,8 @@ class CudaBackend final : public Backend {
                              const Tensor& norm_weight, const Tensor& x, const Tensor& post, const Tensor& comb,
                              const Tensor& normed) override;
   static constexpr int64_t hc_cluster_max_rows() { return 64; }
+  // Whether that launch runs: options.hc_cluster and the device schedules its clusters.
+  bool hc_cluster_active() const;
   Status hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc,
                  const Tensor& streams) override;
   Status hc_head(const Tensor& streams, const Tensor& mixes, const Tensor& scale,
