@@ -455,11 +455,12 @@ TEST_F(CudaModel, HyperConnectionClusterChangesNoBit) {
   std::unique_ptr<backend::CudaBackend> two_kernels = std::move(g).value();
   EXPECT_TRUE(gpu_->hc_cluster_active());
   EXPECT_FALSE(two_kernels->hc_cluster_active());
+  ModelConfig wide = tiny_config();
+  wide.hidden = 4096;
+  const auto cut = keep_first_layers(wide, 3);  // a window, a CSA and an HCA layer, and the MTP block
+  ASSERT_TRUE(cut.is_ok()) << cut.status().message();
   SynthOptions so;
-  so.config = tiny_config();
-  so.config.hidden = 4096;
-  so.config.n_layers = 3;
-  so.config.compress_ratios = {0, 4, 16, 0};
+  so.config = *cut;
   so.config.vocab_size = kVocab;
   so.config.context_length = 256;
   so.seed = 13;
