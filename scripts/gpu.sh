@@ -50,9 +50,10 @@
 # DSV4_GPU_FLASH_PARTS / _DEPTHS (the flash figures), DSV4_GPU_SPEC_DEFAULT=0 (no default-kernel
 # spec part), DSV4_GPU_INVARIANT=0 (no --batch-invariant figures), DSV4_GPU_INVARIANT_BATCHES
 # (16,64), DSV4_GPU_SPEC_RUN=0 (no dsv4 run comparison), DSV4_GPU_LANES_OFF=1 (decode again with
-# the backend's lanes off, DSV4_CUDA_LANES=0), DSV4_GPU_MOE_STAGE_BYTES="8192 ..." (decode again
-# with the decode experts' stages of that many bytes), DSV4_GPU_MOE_VARIANTS="1 2" (decode again
-# with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT).
+# the backend's lanes off, DSV4_CUDA_LANES=0), DSV4_GPU_HC_CLUSTER_OFF=1 (decode again with a
+# site's mixes and hc_pre as two kernels, DSV4_CUDA_HC_CLUSTER=0), DSV4_GPU_MOE_STAGE_BYTES="8192 ..."
+# (decode again with the decode experts' stages of that many bytes), DSV4_GPU_MOE_VARIANTS="1 2"
+# (decode again with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
 # peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
@@ -388,6 +389,14 @@ if has flash || has serve || has spec; then
       --label "flash$layers-nolanes" --parts decode,aggregate --depths 4096 --batches 16,64 --batch-depth 4096 \
       --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_nolanes.log" | cut -d'|' -f3-6
+  fi
+  # DSV4_GPU_HC_CLUSTER_OFF=1: decode and aggregate decode at 4K with each hyper-connection
+  # site's mixes and hc_pre as two kernels (DSV4_CUDA_HC_CLUSTER=0): what the cluster launch gains.
+  if [ "${DSV4_GPU_HC_CLUSTER_OFF:-0}" = 1 ] && [ -f "$flash" ]; then
+    step dsv4_nohccluster 120 env DSV4_CUDA_HC_CLUSTER=0 "$bin/dsv4" bench -m "$flash" --backend cuda \
+      --label "flash$layers-nohccluster" --parts decode,aggregate --depths 4096 --batches 16,64 --batch-depth 4096 \
+      --steps 16 --repeats 3
+    grep -a '^TABLE|' "$work/dsv4_nohccluster.log" | cut -d'|' -f3-6
   fi
   # DSV4_GPU_MOE_STAGE_BYTES="8192 16384": decode and aggregate decode at 4K again with the
   # decode experts' stages sized so (DSV4_MOE_DECODE_STAGE_BYTES; 4096 by default): more rows a

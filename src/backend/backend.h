@@ -343,6 +343,22 @@ class Backend {
     DSV4_TRY(hc_pre(streams, mixes, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps, x, post, comb));
     return rms_norm(x, &norm_weight, norm_eps, x.cols(), normed);
   }
+  // hc_pre_norm from the mix weights: mixes = streams fn^T (fn F32 [(2+n_hc)*n_hc, n_hc*D]) in
+  // `mode` (the reference computes them in fp32, §2.3), then hc_pre_norm; the mix logits are
+  // not kept. The results of the two calls (this default, the mixes in step scratch); a backend
+  // may do both in one launch (CUDA: decode rows, docs/CUDA.md "A site's mixes and hc_pre in one
+  // launch").
+  virtual Status hc_pre_norm_from_fn(const Tensor& fn, const Tensor& streams, MatmulMode mode,
+                                     const Tensor& scale, const Tensor& base, int n_hc,
+                                     int sinkhorn_iters, float hc_eps, float norm_eps,
+                                     const Tensor& norm_weight, const Tensor& x, const Tensor& post,
+                                     const Tensor& comb, const Tensor& normed) {
+    const std::array<int64_t, 2> shape{streams.rows(), int64_t{2 + n_hc} * n_hc};
+    DSV4_ASSIGN_OR_RETURN(Tensor mixes, scratch(GgmlType::F32, shape));
+    DSV4_TRY(matmul(fn, streams, mixes, mode));
+    return hc_pre_norm(streams, mixes, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps, norm_weight, x, post,
+                       comb, normed);
+  }
   // mHC expand (spec §2.4), in place on streams: X'[k] = post_k y + sum_j comb[j,k] X[j].
   virtual Status hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc,
                          const Tensor& streams) = 0;

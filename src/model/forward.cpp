@@ -62,20 +62,23 @@ Result<Tensor> ForwardPass::embed(const Tensor& table, const Step& step) const {
 Result<ForwardPass::HcMix> ForwardPass::hc_pre(const HcSite& site, const Tensor& streams,
                                                const Tensor* norm) const {
   const int64_t n = streams.rows(), hc = c.hc_mult;
-  DSV4_ASSIGN_OR_RETURN(Tensor mixes, f32({n, static_cast<int64_t>(c.hc_dim())}));
-  DSV4_TRY(be.matmul(site.fn, streams, mixes, fp32_mode()));  // fp32 (§2.3)
   HcMix mix;
   DSV4_ASSIGN_OR_RETURN(mix.x, f32({n, static_cast<int64_t>(c.hidden)}));
   DSV4_ASSIGN_OR_RETURN(mix.post, f32({n, hc}));
   DSV4_ASSIGN_OR_RETURN(mix.comb, f32({n, hc * hc}));
   if (norm == nullptr) {
+    DSV4_ASSIGN_OR_RETURN(Tensor mixes, f32({n, static_cast<int64_t>(c.hc_dim())}));
+    DSV4_TRY(be.matmul(site.fn, streams, mixes, fp32_mode()));  // fp32 (§2.3)
     DSV4_TRY(be.hc_pre(streams, mixes, site.scale, site.base, c.hc_mult, c.hc_sinkhorn_iters,
                        c.hc_eps, c.rms_eps, mix.x, mix.post, mix.comb));
     return mix;
   }
+  // The mixes in fp32 (§2.3) and the collapse with the sublayer's norm: one call, which a
+  // backend may run as one launch (backend.h).
   DSV4_ASSIGN_OR_RETURN(mix.normed, f32({n, static_cast<int64_t>(c.hidden)}));
-  DSV4_TRY(be.hc_pre_norm(streams, mixes, site.scale, site.base, c.hc_mult, c.hc_sinkhorn_iters,
-                          c.hc_eps, c.rms_eps, *norm, mix.x, mix.post, mix.comb, mix.normed));
+  DSV4_TRY(be.hc_pre_norm_from_fn(site.fn, streams, fp32_mode(), site.scale, site.base, c.hc_mult,
+                                  c.hc_sinkhorn_iters, c.hc_eps, c.rms_eps, *norm, mix.x, mix.post,
+                                  mix.comb, mix.normed));
   return mix;
 }
 

@@ -272,6 +272,33 @@ TEST_F(CpuOps, HcPreSinkhornAndCollapse) {
 }
 
 // Frequencies from the spec's formulas (§2.1) in double; inverse rotation restores.
+// hc_pre_norm_from_fn's default: the mixes by matmul in the given mode, then hc_pre_norm, the
+// same bits as those two calls.
+TEST_F(CpuOps, HcPreNormFromTheMixWeightsIsTheTwoCalls) {
+  const int n_hc = 4, iters = 20, n_mix = 24;
+  const int64_t n = 3, d = 64;
+  const auto streams = randn(n * n_hc * d), fn = randn(n_mix * n_hc * d, 0.2f), base = randn(n_mix),
+             norm = randn(d);
+  const Tensor st = f32({n, n_hc * d}, streams), fw = f32({n_mix, n_hc * d}, fn), sc = f32({3}, {0.5f, 0.6f, 0.4f}),
+               bt = f32({n_mix}, base), nw = f32({d}, norm);
+  Tensor mixes = poisoned({n, n_mix});
+  Tensor x = poisoned({n, d}), post = poisoned({n, n_hc}), comb = poisoned({n, n_hc * n_hc}), normed = poisoned({n, d});
+  ASSERT_TRUE(be_.matmul(fw, st, mixes, MatmulMode::Float32).is_ok());
+  ASSERT_TRUE(be_.hc_pre_norm(st, mixes, sc, bt, n_hc, iters, 1e-6f, 1e-6f, nw, x, post, comb, normed).is_ok());
+  Tensor x2 = poisoned({n, d}), post2 = poisoned({n, n_hc}), comb2 = poisoned({n, n_hc * n_hc}),
+         normed2 = poisoned({n, d});
+  ASSERT_TRUE(be_.hc_pre_norm_from_fn(fw, st, MatmulMode::Float32, sc, bt, n_hc, iters, 1e-6f, 1e-6f, nw, x2, post2,
+                                      comb2, normed2).is_ok());
+  const auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same_bits(read(x2), read(x)));
+  EXPECT_TRUE(same_bits(read(post2), read(post)));
+  EXPECT_TRUE(same_bits(read(comb2), read(comb)));
+  EXPECT_TRUE(same_bits(read(normed2), read(normed)));
+  for (float v : read(normed2)) ASSERT_TRUE(std::isfinite(v));
+}
+
 TEST_F(CpuOps, RopeWithYarnAndInverse) {
   RopeParams p;
   p.dims = 64;

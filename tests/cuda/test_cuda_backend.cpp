@@ -7,7 +7,9 @@
 // 1e-5 per row for the Exact products (fp32 summation order), and the matvec/GEMM bounds for
 // Quantized products.
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 
 #include "backend/cuda/float32_rows.h"
@@ -656,6 +658,61 @@ TEST_F(CudaBackendOps, HyperConnectionsWithTheSublayerNorm) {
     const auto got = fetch<float>(*gpu_, normed.gpu);
     expect_rows_close(got, fetch<float>(*cpu_, normed.cpu), n, d, 1e-6, "hc_pre_norm normed" + shape);
     if (d == 4096) expect_identical(got, fetch<float>(*gpu_, normed1.gpu), "hc_pre_norm normed vs rms_norm" + shape);
+    gpu_->begin_step();
+    cpu_->begin_step();
+  }
+}
+
+// hc_pre_norm_from_fn (a site's mix product and hc_pre_norm; one cluster launch per row at
+// V4's geometry, 1..hc_cluster_max_rows() rows, Float32): x, post, comb and normed the bits of
+// the two kernels it replaces on the same GPU (matmul in Float32 mode, then hc_pre_norm), for
+// every row count up to one past the limit (which runs the two kernels); and within 2e-5 per
+// row of the CPU's (its Exact product: the mixes' sum order moves them by ~1e-6 relative, which
+// exp in the Sinkhorn split turns into ~3e-6 of comb at logits of ~3). The two paths' outputs
+// start as NaNs of different payloads, so a value left unwritten on either side differs.
+TEST_F(CudaBackendOps, HyperConnectionsFromTheMixWeights) {
+  EXPECT_TRUE(gpu_->hc_cluster_active()) << "the device did not take hc_pre_norm_from_fn's 16-block clusters";
+  const uint64_t seed = seed_for(960);
+  std::mt19937_64 rng(seed);
+  const int hc = 4, iters = 20, n_mix = (2 + hc) * hc;
+  const int64_t d = 4096, k = hc * d;
+  // fn . X of ~3 for streams of ~1, as the mixes of HyperConnections.
+  std::vector<float> fn_values = normal(n_mix * k, rng, 3.0f / 128.0f);
+  std::vector<uint8_t> fn_bytes(fn_values.size() * sizeof(float));
+  std::memcpy(fn_bytes.data(), fn_values.data(), fn_bytes.size());
+  const Both fn = weight(GgmlType::F32, {n_mix, k}, std::move(fn_bytes));
+  const Both scale = f32({3}, {0.7f, 1.3f, 0.9f});
+  const Both base = f32({n_mix}, normal(n_mix, rng, 0.5f));
+  const Both norm = f32({d}, normal(d, rng, 0.3f));
+  const float poison_a = std::bit_cast<float>(0x7FC00000u), poison_b = std::bit_cast<float>(0x7FC00001u);
+  const auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  for (int64_t n = 1; n <= backend::CudaBackend::hc_cluster_max_rows() + 1; ++n) {
+    const std::string shape = " streams " + shape_text(n, k) + " seed " + std::to_string(seed);
+    const Both streams = f32({n, k}, normal(n * k, rng));
+    const auto rows_of = [&](int64_t cols, float v) { return f32({n, cols}, std::vector<float>(n * cols, v)); };
+    const Both x = rows_of(d, poison_a), post = rows_of(hc, poison_a), comb = rows_of(hc * hc, poison_a),
+               normed = rows_of(d, poison_a);
+    const Both x2 = rows_of(d, poison_b), post2 = rows_of(hc, poison_b), comb2 = rows_of(hc * hc, poison_b),
+               normed2 = rows_of(d, poison_b), mixes2 = rows_of(n_mix, poison_b);
+    ASSERT_TRUE(gpu_->hc_pre_norm_from_fn(fn.gpu, streams.gpu, MatmulMode::Float32, scale.gpu, base.gpu, hc, iters,
+                                          1e-6f, 1e-6f, norm.gpu, x.gpu, post.gpu, comb.gpu, normed.gpu)
+                    .is_ok()) << shape;
+    ASSERT_TRUE(gpu_->matmul(fn.gpu, streams.gpu, mixes2.gpu, MatmulMode::Float32).is_ok()) << shape;
+    ASSERT_TRUE(gpu_->hc_pre_norm(streams.gpu, mixes2.gpu, scale.gpu, base.gpu, hc, iters, 1e-6f, 1e-6f, norm.gpu,
+                                  x2.gpu, post2.gpu, comb2.gpu, normed2.gpu).is_ok()) << shape;
+    ASSERT_TRUE(cpu_->hc_pre_norm_from_fn(fn.cpu, streams.cpu, MatmulMode::Float32, scale.cpu, base.cpu, hc, iters,
+                                          1e-6f, 1e-6f, norm.cpu, x.cpu, post.cpu, comb.cpu, normed.cpu)
+                    .is_ok()) << shape;
+    for (const auto& [one, two, cols, what] : std::vector<std::tuple<const Both*, const Both*, int64_t, const char*>>{
+             {&x, &x2, d, "x"}, {&post, &post2, hc, "post"}, {&comb, &comb2, hc * hc, "comb"},
+             {&normed, &normed2, d, "normed"}}) {
+      const auto got = fetch<float>(*gpu_, one->gpu);
+      EXPECT_TRUE(bits_equal(got, fetch<float>(*gpu_, two->gpu)))
+          << "hc_pre_norm_from_fn " << what << " vs matmul + hc_pre_norm" << shape;
+      expect_rows_close(got, fetch<float>(*cpu_, one->cpu), n, cols, 2e-5, std::string("hc_pre_norm_from_fn ") + what + shape);
+    }
     gpu_->begin_step();
     cpu_->begin_step();
   }

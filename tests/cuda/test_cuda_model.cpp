@@ -443,5 +443,47 @@ TEST_F(CudaModel, LanesChangeNoBit) {
   }
 }
 
+// A hyper-connection site's mixes and hc_pre_norm as one cluster launch (hc_pre_norm_from_fn,
+// V4's geometry: 4 streams of 4096) change no bit: a three-layer model at hidden 4096 in the
+// Float32 products' numerics (Quantized, QAT on), its decode steps and a batch step of four
+// sequences (rows 2..50, then 7) with the cluster on and off.
+TEST_F(CudaModel, HyperConnectionClusterChangesNoBit) {
+  backend::CudaBackendOptions off;
+  off.hc_cluster = false;
+  auto g = backend::CudaBackend::create(off);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  std::unique_ptr<backend::CudaBackend> two_kernels = std::move(g).value();
+  EXPECT_TRUE(gpu_->hc_cluster_active());
+  EXPECT_FALSE(two_kernels->hc_cluster_active());
+  ModelConfig wide = tiny_config();
+  wide.hidden = 4096;
+  const auto cut = keep_first_layers(wide, 3);  // a window, a CSA and an HCA layer, and the MTP block
+  ASSERT_TRUE(cut.is_ok()) << cut.status().message();
+  SynthOptions so;
+  so.config = *cut;
+  so.config.vocab_size = kVocab;
+  so.config.context_length = 256;
+  so.seed = 13;
+  so.write_tokenizer = false;
+  so.expert_type = GgmlType::Q8_0;
+  so.dense_type = GgmlType::Q8_0;
+  const std::string path = (dir_->path() / "tiny-4096.gguf").string();
+  const auto written = write_synthetic_model(path, so);
+  ASSERT_TRUE(written.is_ok()) << written.status().message();
+  auto on_model = load(*gpu_, true, MatmulMode::Quantized, path);
+  auto off_model = load(*two_kernels, true, MatmulMode::Quantized, path);
+  ASSERT_TRUE(on_model && off_model);
+  const auto want = decode(*off_model, tokens(24, 2), 12);
+  const auto got = decode(*on_model, tokens(24, 2), 12);
+  ASSERT_FALSE(want.empty());
+  EXPECT_TRUE(same_bits(got, want)) << "decode steps";
+  std::vector<std::vector<int32_t>> toks;
+  for (size_t i = 0; i < 4; ++i) toks.push_back(tokens(std::vector<size_t>{2, 9, 33, 50}[i], 10 + i));
+  const auto want_batch = batch(*off_model, toks, tokens(7, 20));
+  const auto got_batch = batch(*on_model, toks, tokens(7, 20));
+  ASSERT_FALSE(want_batch.empty());
+  EXPECT_TRUE(same_bits(got_batch, want_batch)) << "batch of 4 sequences";
+}
+
 }  // namespace
 }  // namespace dsv4

@@ -103,6 +103,9 @@ Result<ChosenBackend> make_backend(const BackendFlags& flags, const char* comman
   // DSV4_CUDA_LANES=0: every op on one stream (docs/CUDA.md, "Lanes"), for measuring them.
   if (const char* lanes = std::getenv("DSV4_CUDA_LANES"); lanes != nullptr && std::string_view(lanes) == "0")
     options.lanes = false;
+  // DSV4_CUDA_HC_CLUSTER=0: a site's mixes and hc_pre as two kernels (docs/CUDA.md), for measuring them.
+  if (const char* hc = std::getenv("DSV4_CUDA_HC_CLUSTER"); hc != nullptr && std::string_view(hc) == "0")
+    options.hc_cluster = false;
   if (isatty(STDERR_FILENO)) {
     options.on_upload_progress = [command, last = -1](uint64_t done, uint64_t total) mutable {
       const int percent = total ? static_cast<int>(100 * done / total) : 100;

@@ -10,6 +10,7 @@
 // docs/CUDA.md lists the bound each op's test asserts.
 #include "backend/cuda/cuda_backend.h"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -272,7 +273,7 @@ __device__ void hc_split_sinkhorn_block(const float* mixes, float rho, const flo
   if (mine) comb[t] = v;
 }
 
-// The comb part of hc_split_sinkhorn_block on warp 0 alone (n * n <= 32): the same entries, the
+// The comb part of hc_split_sinkhorn_block on one warp alone (n * n <= 32; hc_pre_kernel's warp 0): the same entries, the
 // same operations in the same order, so the other warps of the block can do the collapse
 // meanwhile. Lane t holds entry t in a register and reads a row's or column's entries by
 // shuffles (all loaded before the sum, which then runs in index order): a half-step is one
@@ -288,7 +289,7 @@ __device__ void hc_sinkhorn_comb_warp(const float* mixes, float rho, const float
   constexpr unsigned kAll = 0xFFFFFFFFu;
   constexpr int kLine = kN > 0 ? kN : kMaxHc;
   const int n = kN > 0 ? kN : n_runtime;
-  const int t = static_cast<int>(threadIdx.x);
+  const int t = static_cast<int>(threadIdx.x) & 31;  // any one warp of the block
   const bool mine = t < n * n;
   const int j = mine ? t / n : 0, k = mine ? t % n : 0;
   float v = mine ? ref::fma(ref::mul(mixes[2 * n + t], rho), scale[2], base[2 * n + t]) : 0.0f;
@@ -411,6 +412,214 @@ __global__ void __launch_bounds__(kHcThreads) hc_head_kernel(Mat<float> streams,
   }
   __syncthreads();
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) x.row(s)[i] = ref::hc_collapse(X + i, width, w, n_hc);
+}
+
+// ---- hyper-connections: a site's mixes and hc_pre_norm in one launch (decode rows) -------------
+
+// Cluster barrier halves (PTX barrier.cluster, not .aligned: one warp of
+// hc_pre_norm_cluster_kernel takes its own path). arrive releases and wait acquires the
+// shared-memory writes of the cluster's blocks; the relaxed arrive orders nothing (it only
+// tells that the block has started, before anyone writes into its shared memory).
+__device__ __forceinline__ void cluster_barrier_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_barrier_arrive() { asm volatile("barrier.cluster.arrive;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_barrier_wait() { asm volatile("barrier.cluster.wait;\n" ::: "memory"); }
+
+// V4's site (4 streams of 4096, 24 mixes) as one launch: a cluster of 16 blocks of 256 threads
+// per row. The arithmetic is laid out on float32_rows' block for the mixes (1024 threads at
+// k = 16384) and hc_pre_kernel's (kHcThreads), whose thread vt and warp vt / 32 are called the
+// virtual thread and virtual warp here. Each virtual warp has four real warps in one block
+// (groups 0..3): group g computes the virtual threads' partial products of mixes 6g..6g+5,
+// group 0 also their part of the streams' sum of squares; in the collapse group g computes x
+// value vt + 1024 g, and group 0 the virtual thread's part of x's sum of squares from the four.
+// The sums over the virtual warps (a shuffle tree for the mixes, block_sum's in-order double sum
+// for the RMS scales) run on the 32 warp sums that every block receives in its shared memory:
+// each warp pushes its sums into all 16 blocks (DSMEM stores), so what is read after a cluster
+// barrier is local. Every value goes through the operations of float32_rows_kernel<F32> and of
+// hc_pre_kernel with the norm in their order: the same bits (docs/CUDA.md, "A site's mixes and
+// hc_pre in one launch").
+namespace hc_cluster {
+constexpr int kStreams = 4, kWidth = 4096, kValues = kStreams * kWidth, kMixes = (2 + kStreams) * kStreams;
+constexpr int kBlocks = 16, kThreads = 256, kWarps = kThreads / 32;
+constexpr int kVirtualThreads = 1024, kVirtualWarps = kVirtualThreads / 32;
+constexpr int kGroups = kBlocks * kWarps / kVirtualWarps;     // real warps per virtual warp
+constexpr int kBlockVirtualWarps = kWarps / kGroups;          // a block's virtual warps
+constexpr int kGroupMixes = kMixes / kGroups;                 // mixes of a group
+constexpr int kProductUnits = kValues / 4 / kVirtualThreads;  // float4 units a thread (float32_rows: 4)
+constexpr int kSquares = 16;                                  // sum_squares' loads a thread (kLoads)
+constexpr int kCollapsed = kWidth / kVirtualThreads;          // x values a virtual thread
+// Rank 0's warp of virtual warp 0, group 3 runs the Sinkhorn iterations (as warp 0 of
+// hc_pre_kernel does beside the collapse); group 2's warp also collapses its x values.
+constexpr int kSinkhornWarp = 3;
+static_assert(kVirtualThreads == kHcThreads, "hc_pre_kernel's block");
+static_assert(kValues == kSquares * kVirtualThreads, "sum_squares over the streams: one round of 16 loads");
+static_assert(kCollapsed == kGroups && kCollapsed < kSquares, "sum_squares over x: one round, one value a group");
+static_assert(kVirtualWarps == 32 && kGroupMixes * kGroups == kMixes, "the layout");
+static_assert(kSinkhornWarp < kGroups, "the Sinkhorn warp belongs to virtual warp 0");
+}  // namespace hc_cluster
+
+// The warp's sum of a float: float32_rows_kernel's xor tree (every lane gets it).
+__device__ __forceinline__ float warp_tree_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+  return v;
+}
+
+// block_sum's warp tree on a double (every lane gets it).
+__device__ __forceinline__ double warp_tree_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// block_sum's total over the warp sums: in warp order from 0.0.
+__device__ __forceinline__ double warp_sums_in_order(const double* part) {
+  double total = 0.0;
+#pragma unroll
+  for (int w = 0; w < hc_cluster::kVirtualWarps; ++w) total += part[w];
+  return total;
+}
+
+// Grid (16, rows), clusters of 16 along x.
+__global__ void __launch_bounds__(hc_cluster::kThreads)
+    hc_pre_norm_cluster_kernel(const float* __restrict__ fn, int64_t fn_ld, Mat<float> streams,
+                               const float* __restrict__ scale, const float* __restrict__ base, int iters,
+                               float hc_eps, float norm_eps, const float* __restrict__ norm_w, Mat<float> x,
+                               Mat<float> post, Mat<float> comb, Mat<float> normed) {
+  using namespace hc_cluster;
+  namespace cg = cooperative_groups;
+  // Every virtual warp's sums, pushed here by its warps (the same in every block).
+  __shared__ float mix_part[kMixes][kVirtualWarps];
+  __shared__ double streams_part[kVirtualWarps];
+  __shared__ double x_part[kVirtualWarps];
+  __shared__ float collapsed[kBlockVirtualWarps][kCollapsed][32];  // this block's x values
+  __shared__ float mixes[kMixes];                                  // the Sinkhorn warp's
+  __shared__ float pre_of_warp[kWarps][kStreams];
+  ::dsv4::cuda::dependent_kernel_prologue();
+  const cg::cluster_group cluster = cg::this_cluster();
+  cluster_barrier_arrive_relaxed();  // every block started before the first push (waited below)
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int local_vw = warp / kGroups, group = warp % kGroups;
+  const int vw = rank * kBlockVirtualWarps + local_vw, vt = vw * 32 + lane;
+  const bool sinkhorn_warp = rank == 0 && warp == kSinkhornWarp;
+  const int64_t s = blockIdx.y;
+  const float* X = streams.row(s);
+
+  // 1. Group 0: sum_squares over the streams (values vt + 1024 u, in order). Every group:
+  // float32_rows' units vt + 1024 q of the streams and of its mixes' weight rows, fmaf in order.
+  double ss = 0.0;
+  if (group == 0) {
+    float sq[kSquares];
+#pragma unroll
+    for (int u = 0; u < kSquares; ++u) sq[u] = X[vt + u * kVirtualThreads];
+#pragma unroll
+    for (int u = 0; u < kSquares; ++u) ss += static_cast<double>(sq[u]) * sq[u];
+    ss = warp_tree_sum(ss);
+  }
+  const auto* x4 = reinterpret_cast<const float4*>(X);
+  float4 xq[kProductUnits];
+#pragma unroll
+  for (int q = 0; q < kProductUnits; ++q) xq[q] = __ldg(x4 + vt + q * kVirtualThreads);
+  float acc[kGroupMixes];
+#pragma unroll
+  for (int i = 0; i < kGroupMixes; ++i) {
+    const auto* w4 = reinterpret_cast<const float4*>(fn + (group * kGroupMixes + i) * fn_ld);
+    float a = 0.0f;
+#pragma unroll
+    for (int q = 0; q < kProductUnits; ++q) {
+      const float4 w = __ldg(w4 + vt + q * kVirtualThreads);
+      a = fmaf(w.x, xq[q].x, a);
+      a = fmaf(w.y, xq[q].y, a);
+      a = fmaf(w.z, xq[q].z, a);
+      a = fmaf(w.w, xq[q].w, a);
+    }
+    acc[i] = warp_tree_sum(a);
+  }
+  // The warp's sums into every block of the cluster (lane r to rank r).
+  cluster_barrier_wait();
+  if (lane < kBlocks) {
+    float* mp = cluster.map_shared_rank(&mix_part[0][0], lane);
+#pragma unroll
+    for (int i = 0; i < kGroupMixes; ++i) mp[(group * kGroupMixes + i) * kVirtualWarps + vw] = acc[i];
+    if (group == 0) cluster.map_shared_rank(streams_part, lane)[vw] = ss;
+  }
+  cluster_barrier_arrive();
+  cluster_barrier_wait();
+
+  // 2. The RMS scale of the streams (block_sum's order), and mix o as warp 0 of
+  // float32_rows_kernel sums it: lane w holds warp w's sum, the xor tree.
+  const float rho = ref::inverse_rms(warp_sums_in_order(streams_part), kValues, norm_eps);
+  const auto mix = [&](int o) { return warp_tree_sum(mix_part[o][lane]); };
+  if (sinkhorn_warp) {  // post and the Sinkhorn split, as warp 0 of hc_pre_kernel
+#pragma unroll
+    for (int o = 0; o < kMixes; ++o) {
+      const float m = mix(o);
+      if (lane == 0) mixes[o] = m;
+    }
+    __syncwarp();
+    if (lane < kStreams)
+      post.row(s)[lane] = ref::mul(
+          2.0f, ref::sigmoid(ref::fma(ref::mul(mixes[kStreams + lane], rho), scale[1], base[kStreams + lane])));
+    cluster_barrier_arrive();  // nothing to push: its x value is group 2's
+    hc_sinkhorn_comb_warp<kStreams>(mixes, rho, scale, base, kStreams, iters, hc_eps, comb.row(s));
+    cluster_barrier_wait();
+    return;
+  }
+  // pre, each warp its own (as hc_pre_kernel's threads 0..3 compute it, into shared memory).
+  float* pre = pre_of_warp[warp];
+  {
+    float m[kStreams];
+#pragma unroll
+    for (int j = 0; j < kStreams; ++j) m[j] = mix(j);
+    if (lane < kStreams) {
+#pragma unroll
+      for (int j = 0; j < kStreams; ++j)
+        if (lane == j) pre[j] = ref::add(ref::sigmoid(ref::fma(ref::mul(m[j], rho), scale[0], base[j])), hc_eps);
+    }
+    __syncwarp();
+  }
+
+  // 3. The collapse of x value vt + 1024 g (the Sinkhorn warp's by group 2; a column's
+  // collapse is the same bits on any thread), then group 0's part of x's sum of squares:
+  // sum_squares' 16 terms in order, of which those past the row are 0.0 * 0.0, which leave the
+  // sum unchanged (it is never -0.0).
+  const bool two = rank == 0 && warp == kSinkhornWarp - 1;
+  float* xr = x.row(s);
+  float xv[2];
+  xv[0] = ref::hc_collapse(X + vt + group * kVirtualThreads, kWidth, pre, kStreams);
+  xr[vt + group * kVirtualThreads] = xv[0];
+  collapsed[local_vw][group][lane] = xv[0];
+  if (two) {
+    xv[1] = ref::hc_collapse(X + vt + kSinkhornWarp * kVirtualThreads, kWidth, pre, kStreams);
+    xr[vt + kSinkhornWarp * kVirtualThreads] = xv[1];
+    collapsed[local_vw][kSinkhornWarp][lane] = xv[1];
+  }
+  // The block's warps but the Sinkhorn warp (named barrier 1).
+  asm volatile("bar.sync 1, %0;\n" ::"r"(rank == 0 ? kThreads - 32 : kThreads) : "memory");
+  if (group == 0) {
+    float v[kCollapsed];
+#pragma unroll
+    for (int u = 0; u < kCollapsed; ++u) v[u] = collapsed[local_vw][u][lane];
+    double xss = 0.0;
+#pragma unroll
+    for (int u = 0; u < kCollapsed; ++u) xss += static_cast<double>(v[u]) * v[u];
+    xss = warp_tree_sum(xss);
+    if (lane < kBlocks) cluster.map_shared_rank(x_part, lane)[vw] = xss;
+  }
+  cluster_barrier_arrive();
+  cluster_barrier_wait();
+
+  // 4. The sublayer's RMSNorm (hc_pre_kernel's tail).
+  const float r = ref::inverse_rms(warp_sums_in_order(x_part), kWidth, norm_eps);
+  float* yr = normed.row(s);
+  int i = vt + group * kVirtualThreads;
+  yr[i] = __fmul_rn(__fmul_rn(xv[0], r), norm_w[i]);
+  if (two) {
+    i = vt + kSinkhornWarp * kVirtualThreads;
+    yr[i] = __fmul_rn(__fmul_rn(xv[1], r), norm_w[i]);
+  }
 }
 
 // ---- QAT --------------------------------------------------------------------------------------
@@ -676,6 +885,26 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   DSV4_TRY(cuda::detail::iq_tables(&m.iq_tables));
   DSV4_TRY(cuda::prepare_matvec_tables());
   DSV4_TRY(cuda::prepare_attention_kernels());  // no function attributes set inside a graph capture
+  // hc_pre_norm_from_fn's clusters of 16 blocks (above the portable 8): the device must
+  // schedule one, else the two kernels run (no function attributes set inside a graph capture).
+  if (options.hc_cluster) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(hc_cluster::kBlocks, 1);
+    config.blockDim = dim3(hc_cluster::kThreads);
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = hc_cluster::kBlocks;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    m.hc_cluster = cudaFuncSetAttribute(hc_pre_norm_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                        1) == cudaSuccess &&
+                   cudaOccupancyMaxActiveClusters(&clusters, hc_pre_norm_cluster_kernel, &config) == cudaSuccess &&
+                   clusters > 0;
+    if (!m.hc_cluster) (void)cudaGetLastError();
+  }
   const char* env = std::getenv("DSV4_POISON_SCRATCH");
   m.poison_scratch = env != nullptr && env[0] == '1';
   if (options.scratch_bytes > 0) {  // the first chunk now, so the first step does not allocate
@@ -1358,6 +1587,44 @@ Status CudaBackend::hc_pre_launch(const Tensor& streams, const Tensor& mixes, co
   if (n == 0) return Status::ok();
   cuda::launch_dependent(hc_pre_kernel, static_cast<unsigned>(n), kHcThreads, 0, impl_->stream, sv, mv, scv.p, bv.p,
                          n_hc, sinkhorn_iters, hc_eps, norm_eps, width, xv, pv, cv, nw, yv);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+bool CudaBackend::hc_cluster_active() const { return impl_->hc_cluster; }
+
+Status CudaBackend::hc_pre_norm_from_fn(const Tensor& fn, const Tensor& streams, MatmulMode mode, const Tensor& scale,
+                                        const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps,
+                                        const Tensor& norm_weight, const Tensor& x, const Tensor& post,
+                                        const Tensor& comb, const Tensor& normed) {
+  using namespace hc_cluster;
+  const auto two_kernels = [&] {
+    return Backend::hc_pre_norm_from_fn(fn, streams, mode, scale, base, n_hc, sinkhorn_iters, hc_eps, norm_eps,
+                                        norm_weight, x, post, comb, normed);
+  };
+  // Where the two calls are float32_rows (Float32, 1-64 rows, F32 weights, 1024 threads an
+  // output at k = 16384) and hc_pre_kernel with the norm (1-64 rows): the kernel repeats them.
+  static_assert(CudaBackend::hc_cluster_max_rows() <= cuda::kFloat32RowsMax &&
+                CudaBackend::hc_cluster_max_rows() <= kHcPreNormFusedMaxRows);
+  const int64_t n = streams.rows();
+  if (!impl_->hc_cluster || mode != MatmulMode::Float32 || n_hc != kStreams || n < 1 || n > hc_cluster_max_rows() ||
+      fn.type != GgmlType::F32 || fn.rows() != kMixes || fn.cols() != kValues || streams.type != GgmlType::F32 ||
+      streams.cols() != kValues || cuda::float32_rows_threads(GgmlType::F32, kValues) != kVirtualThreads)
+    return two_kernels();
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> fv, cudaops::f32(fn, this, "hc_pre_norm_from_fn", "fn", kMixes, kValues));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> sv, cudaops::f32(streams, this, "hc_pre_norm_from_fn", "streams", n, kValues));
+  if (!cuda::float32_rows_applies(GgmlType::F32, fv.p, fv.ld * 4, kValues, sv.p, sv.ld)) return two_kernels();
+  const char* op = "hc_pre_norm_from_fn";
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> scv, cudaops::f32(scale, this, op, "scale", -1, 3));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> bv, cudaops::f32(base, this, op, "base", -1, kMixes));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> wv, cudaops::f32(norm_weight, this, op, "norm_weight", -1, kWidth));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, op, "x", n, kWidth));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> pv, cudaops::f32(post, this, op, "post", n, kStreams));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> cv, cudaops::f32(comb, this, op, "comb", n, kStreams * kStreams));
+  DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(normed, this, op, "normed", n, kWidth));
+  cuda::launch_dependent_clusters(hc_pre_norm_cluster_kernel, dim3(kBlocks, static_cast<unsigned>(n)), kThreads,
+                                  kBlocks, 0, impl_->stream, fv.p, fv.ld, sv, scv.p, bv.p, sinkhorn_iters, hc_eps,
+                                  norm_eps, wv.p, xv, pv, cv, yv);
   DSV4_CUDA_TRY_LAUNCH();
   return Status::ok();
 }

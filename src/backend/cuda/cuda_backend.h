@@ -44,6 +44,10 @@ struct CudaBackendOptions {
   // compressors beside its query path, the shared expert beside the routed ones. Off: every
   // op on one stream (the same bits; for measuring what the lanes gain).
   bool lanes = true;
+  // A hyper-connection site's mix product and hc_pre_norm in one launch for decode rows
+  // (CudaBackend::hc_pre_norm_from_fn: a cluster of 16 blocks per row). Off: the two kernels
+  // (the same bits; for measuring what the fusion gains). DSV4_CUDA_HC_CLUSTER=0 for dsv4.
+  bool hc_cluster = true;
   // Tests: a kernel that spins this many microseconds at every fork, on the side lane (a
   // missing join shows as the main lane reading results not yet written) or, with
   // lane_delay_main, on the main lane (a side lane reading main-lane work it did not wait for).
@@ -107,6 +111,15 @@ class CudaBackend final : public Backend {
   Status hc_pre_norm(const Tensor& streams, const Tensor& mixes, const Tensor& scale, const Tensor& base, int n_hc,
                      int sinkhorn_iters, float hc_eps, float norm_eps, const Tensor& norm_weight, const Tensor& x,
                      const Tensor& post, const Tensor& comb, const Tensor& normed) override;
+  // V4's geometry (4 streams of 4096, F32 mix weights), Float32 mode, 1..hc_cluster_max_rows()
+  // rows and hc_cluster on: one launch, the bits of matmul + hc_pre_norm; otherwise those calls.
+  Status hc_pre_norm_from_fn(const Tensor& fn, const Tensor& streams, MatmulMode mode, const Tensor& scale,
+                             const Tensor& base, int n_hc, int sinkhorn_iters, float hc_eps, float norm_eps,
+                             const Tensor& norm_weight, const Tensor& x, const Tensor& post, const Tensor& comb,
+                             const Tensor& normed) override;
+  static constexpr int64_t hc_cluster_max_rows() { return 64; }
+  // Whether that launch runs: options.hc_cluster and the device schedules its clusters.
+  bool hc_cluster_active() const;
   Status hc_post(const Tensor& y, const Tensor& post, const Tensor& comb, int n_hc,
                  const Tensor& streams) override;
   Status hc_head(const Tensor& streams, const Tensor& mixes, const Tensor& scale,

@@ -62,6 +62,9 @@ struct CudaBackend::Impl {
   size_t chunk_used = 0;  // bytes used in it
   size_t scratch_total = 0;     // bytes of all chunks
   bool poison_scratch = false;  // DSV4_POISON_SCRATCH=1: new scratch is filled with NaN
+  // options.hc_cluster and the device can hold the 16-block clusters of hc_pre_norm_from_fn
+  // (cudaOccupancyMaxActiveClusters at create()).
+  bool hc_cluster = false;
 
   // Pinned host staging for uploads (grown on demand, between steps): uploads take
   // consecutive pieces of it and the stream copies them in order; when the next piece

@@ -26,24 +26,41 @@ __device__ __forceinline__ void dependent_kernel_prologue() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute (when enabled). A
-// failed launch is left for cudaGetLastError (DSV4_CUDA_TRY_LAUNCH), as with <<<>>>.
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute (when enabled) and,
+// with cluster_x > 1, thread-block clusters of cluster_x blocks along x (the kernel must allow
+// that size: cudaFuncAttributeNonPortableClusterSizeAllowed above 8). A failed launch is left
+// for cudaGetLastError (DSV4_CUDA_TRY_LAUNCH), as with <<<>>>.
 template <class... Params, class... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                      Args&&... args) {
+void launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned cluster_x, size_t smem,
+                               cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  if (programmatic_launch()) {
-    config.attrs = &pdl;
-    config.numAttrs = 1;
+  cudaLaunchAttribute attrs[2]{};
+  unsigned count = 0;
+  if (cluster_x > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = cluster_x;
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count].val.clusterDim.z = 1;
+    ++count;
   }
+  if (programmatic_launch()) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  config.attrs = count > 0 ? attrs : nullptr;
+  config.numAttrs = count;
   (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+template <class... Params, class... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
+  launch_dependent_clusters(kernel, grid, block, 1, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace dsv4::cuda

@@ -112,6 +112,15 @@ bool float32_rows_applies(GgmlType type, const void* w, int64_t row_bytes, int64
   return reinterpret_cast<uintptr_t>(w) % align == 0 && row_bytes % align == 0;
 }
 
+int float32_rows_threads(GgmlType type, int64_t k) {
+  // About four units a thread: a power of two from one warp to 1024 threads.
+  const int unit = unit_of(type);
+  const int64_t units = unit > 0 ? k / unit : 0;
+  int threads = 32;
+  while (threads < 1024 && int64_t{threads} * 4 < units) threads *= 2;
+  return threads;
+}
+
 Status float32_rows_matmul_many(GgmlType type, std::span<const Float32Matrix> ms, int64_t k, const float* x,
                                 int64_t ldx, int64_t m, cudaStream_t stream) {
   const auto refuse = [&](const std::string& why) {
@@ -135,11 +144,8 @@ Status float32_rows_matmul_many(GgmlType type, std::span<const Float32Matrix> ms
     p.first[i + 1] = p.first[i] + mat.n;
   }
   if (p.first[p.count] > INT32_MAX) return refuse("too many outputs");
-  // About four units a thread: a power of two from one warp to 1024 threads (fixed by k, so a
-  // row's sums never depend on m or on the other matrices).
   const int64_t units = k / unit_of(type);
-  int threads = 32;
-  while (threads < 1024 && int64_t{threads} * 4 < units) threads *= 2;
+  const int threads = float32_rows_threads(type, k);
   const dim3 grid(static_cast<unsigned>(p.first[p.count]), static_cast<unsigned>(m), 1);
   if (type == GgmlType::F32)
     launch_dependent(float32_rows_kernel<GgmlType::F32>, grid, threads, 0, stream, p, units, x, ldx);

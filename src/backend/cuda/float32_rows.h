@@ -31,6 +31,13 @@ inline constexpr int64_t kFloat32RowsMax = 64;
 // BF16, 2 for Q8_0).
 bool float32_rows_applies(GgmlType type, const void* w, int64_t row_bytes, int64_t k, const float* x, int64_t ldx);
 
+// The kernel's threads per output for k values of `type`: about four units a thread, a power
+// of two from 32 to 1024, fixed by k (so a row's sums never depend on m or the other matrices).
+// Thread t sums units t, t + threads, ... of its output in order, then an xor shuffle tree per
+// warp and one over the warps' sums in warp order (hc_pre_norm_cluster_kernel repeats this
+// order for the mixes: cuda_backend.cu).
+int float32_rows_threads(GgmlType type, int64_t k);
+
 // y[r][o] = sum_i w[o][i] x[r][i] for r < m <= kFloat32RowsMax, o < n (x, y strides in floats).
 Status float32_rows_matmul(GgmlType type, const void* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
                            int64_t ldx, int64_t m, float* y, int64_t ldy, cudaStream_t stream);
