@@ -321,7 +321,7 @@ TEST_P(MoeDecodeVariants, MatchDefaultBits) {
               << "the last token alone differs";
         }
       }
-      detail::set_moe_decode_variant(0);
+      detail::set_moe_decode_variant(detail::kMoeDecodeDefaultVariant);
     }
   }
 }

@@ -24,13 +24,13 @@
 // Variants (DSV4_MOE_DECODE_VARIANT, moe_decode_variant()), all with the default's bits: each
 // row's per-lane products and the lane group's shuffle tree are the same, only the work per pass
 // and the warps per block change.
-//  0: the kernels above.
+//  0: the kernels above (the default until 2026-12-07).
 //  1 ("pairs"): both kernels take two rows per lane group in each pass (their products
 //     interleave) and reduce them with a transposed butterfly: the first level sends the other
 //     row's values, so 4 values (gate/up of two rows) cost 6 shuffles and 2 values cost 5
 //     instead of 20 and 10, on the same tree. Gate/up stages hold two rows.
-//  2 ("wide"): gate/up blocks of 8 warps x 4 rows (twice the warps per multiprocessor at one
-//     token, registers capped for 3 blocks), one row a pass; down as in 1.
+//  2 ("wide", the default): gate/up blocks of 8 warps x 4 rows (twice the warps per
+//     multiprocessor at one token, registers capped for 3 blocks), one row a pass; down as in 1.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -440,7 +440,7 @@ int rows_per_stage(int64_t row_bytes, int sources, int lanes, int limit, int64_t
 
 int64_t segment_bytes(int64_t rows, int64_t row_bytes) { return (rows * row_bytes + 15 + 15) / 16 * 16 + 16; }
 
-// DSV4_MOE_DECODE_VARIANT (0-2, default 0): read at the first launch; set_moe_decode_variant
+// DSV4_MOE_DECODE_VARIANT (0-2, default kMoeDecodeDefaultVariant): read at the first launch; set_moe_decode_variant
 // overrides it (the checks run every variant in one process).
 std::atomic<int> g_variant{-1};
 
@@ -590,8 +590,8 @@ int moe_decode_variant() {
   int v = g_variant.load(std::memory_order_relaxed);
   if (v < 0) {
     const char* env = std::getenv("DSV4_MOE_DECODE_VARIANT");  // tuning knob for measurements
-    v = env != nullptr ? std::atoi(env) : 0;
-    if (v < 0 || v >= kMoeDecodeVariants) v = 0;
+    v = env != nullptr ? std::atoi(env) : kMoeDecodeDefaultVariant;
+    if (v < 0 || v >= kMoeDecodeVariants) v = kMoeDecodeDefaultVariant;
     int expected = -1;
     if (!g_variant.compare_exchange_strong(expected, v)) v = expected;
   }
@@ -599,7 +599,8 @@ int moe_decode_variant() {
 }
 
 void set_moe_decode_variant(int variant) {
-  g_variant.store(variant >= 0 && variant < kMoeDecodeVariants ? variant : 0, std::memory_order_relaxed);
+  g_variant.store(variant >= 0 && variant < kMoeDecodeVariants ? variant : kMoeDecodeDefaultVariant,
+                  std::memory_order_relaxed);
 }
 
 bool moe_decode_applies(const ExpertWeights& w, int64_t tokens, int top_k) {

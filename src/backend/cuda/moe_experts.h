@@ -63,10 +63,13 @@ bool moe_decode_applies(const ExpertWeights& w, int64_t tokens, int top_k);
 size_t moe_decode_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k);
 Status moe_decode(const ExpertWeights& w, const float* x, const ExpertRouting& routing, float swiglu_limit, float* y,
                   void* workspace, size_t workspace_bytes, cudaStream_t stream);
-// Kernel variants of moe_decode (moe_decode.cu's header), all with variant 0's bits: 0 default,
-// 1 two rows a pass, 2 gate/up blocks of 8 warps. Process-wide, read when kernels launch (set it
-// before graphs are recorded); DSV4_MOE_DECODE_VARIANT gives the first value.
+// Kernel variants of moe_decode (moe_decode.cu's header), all with variant 0's bits: 0 the first
+// kernels, 1 two rows a pass, 2 gate/up blocks of 8 warps (the default: the same speed at one
+// token, +2% at 16 sequences on an H100, docs/PERFORMANCE.md's fifteenth run). Process-wide, read
+// when kernels launch (set it before graphs are recorded); DSV4_MOE_DECODE_VARIANT gives the
+// first value.
 inline constexpr int kMoeDecodeVariants = 3;
+inline constexpr int kMoeDecodeDefaultVariant = 2;
 int moe_decode_variant();
 void set_moe_decode_variant(int variant);
 }  // namespace detail
