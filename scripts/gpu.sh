@@ -52,7 +52,8 @@
 # (16,64), DSV4_GPU_SPEC_RUN=0 (no dsv4 run comparison), DSV4_GPU_LANES_OFF=1 (decode again with
 # the backend's lanes off, DSV4_CUDA_LANES=0), DSV4_GPU_HC_CLUSTER_OFF=1 (decode again with a
 # site's mixes and hc_pre as two kernels, DSV4_CUDA_HC_CLUSTER=0), DSV4_GPU_MOE_STAGE_BYTES="8192 ..."
-# (decode again with the decode experts' stages of that many bytes), DSV4_GPU_MOE_VARIANTS="1 2"
+# (decode again with the decode experts' stages of that many bytes), DSV4_GPU_BASELINE=1 (decode
+# again with the baseline dsv4 that prepare staged from DSV4_GPU_BASELINE_DIR), DSV4_GPU_MOE_VARIANTS="1 2"
 # (decode again with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
@@ -144,6 +145,15 @@ if [ "$mode" = prepare ]; then
   XZ_OPT="-6 -T${DSV4_JOBS:-2}" tar -cJf "$stage/stage.tar.xz" -C "$files" .
   (cd "$files" && ls -l . lib compat) >"$stage/contents.txt"
   rm -rf "$files"
+  # DSV4_GPU_BASELINE_DIR: a second build dir (say main before a change, with the same
+  # libraries) whose dsv4 is staged as the baseline (DSV4_GPU_BASELINE=1 in the run).
+  if [ -n "${DSV4_GPU_BASELINE_DIR:-}" ]; then
+    files="$(mktemp -d)"
+    cp "$DSV4_GPU_BASELINE_DIR/dsv4" "$files/" && strip --strip-unneeded "$files/dsv4"
+    git -C "$DSV4_GPU_BASELINE_DIR/.." rev-parse --short HEAD >"$files/COMMIT" 2>/dev/null || echo unknown >"$files/COMMIT"
+    XZ_OPT="-6 -T${DSV4_JOBS:-2}" tar -cJf "$stage/baseline.tar.xz" -C "$files" .
+    rm -rf "$files"
+  fi
   # DSV4_GPU_STAGE_PEER=0: without the peer's source and the upstream check's programs (calls
   # without the llama and upstream steps).
   if [ "${DSV4_GPU_STAGE_PEER:-1}" = 1 ]; then
@@ -397,6 +407,20 @@ if has flash || has serve || has spec; then
       --label "flash$layers-nohccluster" --parts decode,aggregate --depths 4096 --batches 16,64 --batch-depth 4096 \
       --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_nohccluster.log" | cut -d'|' -f3-6
+  fi
+  # DSV4_GPU_BASELINE=1: the same decode and aggregate decode at 4K with the baseline dsv4
+  # staged by prepare (DSV4_GPU_BASELINE_DIR), on the same file in the same call, before and
+  # after this build's own run of them: what the commits between the two gain.
+  if [ "${DSV4_GPU_BASELINE:-0}" = 1 ] && [ -f "$stage/baseline.tar.xz" ] && [ -f "$flash" ]; then
+    rm -rf "$work/baseline" && mkdir -p "$work/baseline" && tar -xJf "$stage/baseline.tar.xz" -C "$work/baseline"
+    base_commit="$(cat "$work/baseline/COMMIT" 2>/dev/null)"
+    for run in baseline current baseline2; do
+      exe="$work/baseline/dsv4"; [ "$run" = current ] && exe="$bin/dsv4"
+      label="flash$layers-$run"; [ "$run" = current ] || label="flash$layers-base-$base_commit"
+      step "dsv4_ab_$run" 120 "$exe" bench -m "$flash" --backend cuda --label "$label" --parts decode,aggregate \
+        --depths 4096 --batches 16,64 --batch-depth 4096 --steps 16 --repeats 5
+      grep -a '^TABLE|' "$work/dsv4_ab_$run.log" | cut -d'|' -f3-6
+    done
   fi
   # DSV4_GPU_MOE_STAGE_BYTES="8192 16384": decode and aggregate decode at 4K again with the
   # decode experts' stages sized so (DSV4_MOE_DECODE_STAGE_BYTES; 4096 by default): more rows a
