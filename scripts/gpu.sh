@@ -409,14 +409,15 @@ if has flash || has serve || has spec; then
     grep -a '^TABLE|' "$work/dsv4_nohccluster.log" | cut -d'|' -f3-6
   fi
   # DSV4_GPU_BASELINE=1: the same decode and aggregate decode at 4K with the baseline dsv4
-  # staged by prepare (DSV4_GPU_BASELINE_DIR), on the same file in the same call, before and
-  # after this build's own run of them: what the commits between the two gain.
+  # staged by prepare (DSV4_GPU_BASELINE_DIR), on the same file in the same call, interleaved
+  # with this build's own runs of them (the first run of a call measured ~3% slow once, on an
+  # H100, 2026-12-07): what the commits between the two gain.
   if [ "${DSV4_GPU_BASELINE:-0}" = 1 ] && [ -f "$stage/baseline.tar.xz" ] && [ -f "$flash" ]; then
     rm -rf "$work/baseline" && mkdir -p "$work/baseline" && tar -xJf "$stage/baseline.tar.xz" -C "$work/baseline"
     base_commit="$(cat "$work/baseline/COMMIT" 2>/dev/null)"
-    for run in baseline current baseline2; do
-      exe="$work/baseline/dsv4"; [ "$run" = current ] && exe="$bin/dsv4"
-      label="flash$layers-$run"; [ "$run" = current ] || label="flash$layers-base-$base_commit"
+    for run in baseline current baseline2 current2; do
+      exe="$work/baseline/dsv4" label="flash$layers-base-$base_commit"
+      case "$run" in current*) exe="$bin/dsv4" label="flash$layers-current" ;; esac
       step "dsv4_ab_$run" 120 "$exe" bench -m "$flash" --backend cuda --label "$label" --parts decode,aggregate \
         --depths 4096 --batches 16,64 --batch-depth 4096 --steps 16 --repeats 5
       grep -a '^TABLE|' "$work/dsv4_ab_$run.log" | cut -d'|' -f3-6
