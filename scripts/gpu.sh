@@ -35,7 +35,8 @@
 #   profile    ncu's per-kernel GPU time of decode steps (no graphs; 1 and 16 sequences) and a
 #              prefill chunk on a 4-layer cut of the geometry (DSV4_GPU_PROFILE_LAYERS; 4 holds
 #              a window, a CSA and an HCA layer): profile.txt, the kernels by total time
-#              (DSV4_GPU_PROFILE_PARTS: "decode prefill batch" by default; "moe" adds ncu's
+#              (DSV4_GPU_PROFILE_PARTS: "decode prefill batch" by default; "verify" adds an MTP
+#              verify step of 4 rows, one sequence (the file then has its MTP block); "moe" adds ncu's
 #              sections for the wgmma expert kernels of one 4096-token layer, "decode_detail"
 #              those of a decode step's heaviest small kernels, "hc_source" hc_pre's stall
 #              samples per instruction)
@@ -459,6 +460,15 @@ if has flash || has serve || has spec; then
         --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"
       grep -a '^TABLE|' "$work/dsv4_spec.log" | cut -d'|' -f3-6
     fi
+    # DSV4_GPU_SPEC_LEGACY_ROWS=1: the same with 2-8-row steps on the kernels before the
+    # row-local ones (DSV4_CUDA_LEGACY=rows: tensor-core products, occupancy-planned attention
+    # splits), beside the figures above.
+    if [ "${DSV4_GPU_SPEC_LEGACY_ROWS:-0}" = 1 ]; then
+      step dsv4_spec_legacy_rows 150 env DSV4_CUDA_LEGACY=rows "$bin/dsv4" bench -m "$flash" --backend cuda \
+        --label "flash$layers-legacy-rows" --parts spec --batches 16 --batch-depth 4096 --steps 8 --repeats 3 \
+        --json "$work/dsv4_spec_legacy_rows.json"
+      grep -a '^TABLE|' "$work/dsv4_spec_legacy_rows.log" | cut -d'|' -f3-6
+    fi
     # The batch-invariant kernels' cost (--batch-invariant: decode at 1, 16 and 64 sequences
     # and speculation's verify), against the default kernels' figures of the steps above.
     if [ "${DSV4_GPU_INVARIANT:-1}" = 1 ]; then
@@ -473,17 +483,20 @@ if has flash || has serve || has spec; then
         --json "$work/dsv4_invariant_spec.json"
       grep -a '^TABLE|' "$work/dsv4_invariant_spec.log" | cut -d'|' -f3-6
     fi
-    # `dsv4 run` greedy on the same file with --spec 3 and without: in the exact mode and with
-    # the batch-invariant kernels (`invariant`: --fast --batch-invariant) the replies must be
-    # the same tokens (asserted); with the default quantised kernels (`fast`) they are
-    # reported (the multi-row kernels sum in another order than the one-row ones: docs/CUDA.md).
+    # `dsv4 run` greedy on the same file with speculation and without (--spec 0): the replies
+    # must be the same tokens (asserted) in every mode: exact, the default quantised kernels
+    # (`fast`: a verify row is its decode step's bits, docs/CUDA.md) and the batch-invariant
+    # ones (`invariant`: --fast --batch-invariant). `fast` speculates by default (--spec auto,
+    # no flag given: the reply must say so); the others with --spec 3.
     if [ "${DSV4_GPU_SPEC_RUN:-1}" = 1 ]; then
       for mode in ${DSV4_GPU_SPEC_MODES:-exact fast invariant}; do
         mode_flags=("--$mode")
         [ "$mode" = invariant ] && mode_flags=(--fast --batch-invariant)
         run_flags=(run -m "$flash" --backend cuda "${mode_flags[@]}" --temp 0 -n "${DSV4_GPU_SPEC_RUN_TOKENS:-24}" --raw
                    -p "The quick brown fox" --json)
-        step "run_spec_${mode}_on" 200 "$bin/dsv4" "${run_flags[@]}" --spec 3
+        spec_on=(--spec 3)
+        [ "$mode" = fast ] && spec_on=()
+        step "run_spec_${mode}_on" 200 "$bin/dsv4" "${run_flags[@]}" "${spec_on[@]}"
         step "run_spec_${mode}_off" 200 "$bin/dsv4" "${run_flags[@]}" --spec 0
         python3 - "$work/run_spec_${mode}_on.log" "$work/run_spec_${mode}_off.log" "$mode" <<'PY' | tee -a "$work/steps.txt"
 import json, sys
@@ -500,7 +513,7 @@ if not a or not b:
     sys.exit(0)
 same = a.get("content") == b.get("content") and a.get("reasoning") == b.get("reasoning")
 spec = a.get("speculative", {})
-verdict = ("ok" if same and spec else "failed") if mode in ("exact", "invariant") else "measured"
+verdict = "ok" if same and spec and (mode != "fast" or spec.get("auto")) else "failed"
 print(f"run_spec_{mode}: {verdict} (same reply: {same}; {spec.get('accepted')} of {spec.get('drafted')} drafts "
       f"accepted, {spec.get('tokens_per_step', 0):.2f} tokens/step; {a.get('generation_tokens_per_second', 0):.1f} "
       f"against {b.get('generation_tokens_per_second', 0):.1f} tok/s)")
@@ -523,9 +536,11 @@ if has profile && command -v ncu >/dev/null; then
   prof_layers="${DSV4_GPU_PROFILE_LAYERS:-4}"
   prof="$shm/dsv4-flash-profile$prof_layers.gguf"
   : >"$work/profile.txt"
-  step synth_profile 60 "$bin/dsv4" synth --preset flash --layers "$prof_layers" --no-mtp --recipe q2k \
-    --fill random-blocks --seed 1 --force -o "$prof"
   parts=" ${DSV4_GPU_PROFILE_PARTS:-decode prefill batch} "
+  mtp_flag=(--no-mtp)
+  [[ $parts == *" verify "* ]] && mtp_flag=()  # the spec part wants the MTP block
+  step synth_profile 60 "$bin/dsv4" synth --preset flash --layers "$prof_layers" "${mtp_flag[@]}" --recipe q2k \
+    --fill random-blocks --seed 1 --force -o "$prof"
   # 1 warm-up + 4 timed steps without graphs: each kernel of a step shows up 5 times.
   [[ $parts == *" decode "* ]] && step profile 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts decode --depths 4096 \
@@ -538,7 +553,11 @@ if has profile && command -v ncu >/dev/null; then
   [[ $parts == *" batch "* ]] && step profile_batch 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu_batch.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts aggregate \
     --batches 16 --batch-depth 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
-  for what in decode prefill batch; do
+  # An MTP verify step of one sequence, 4 rows (k = 3): 1 warm-up + 2 timed steps.
+  [[ $parts == *" verify "* ]] && step profile_verify 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --log-file "$work/ncu_verify.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts spec --batches 1 \
+    --batch-depth 4096 --verify-rows 4 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
+  for what in decode prefill batch verify; do
     csv="$work/ncu_$what.csv"; [ $what = decode ] && csv="$work/ncu.csv"
     [ -f "$csv" ] || continue
     python3 - "$csv" "$what" >>"$work/profile.txt" <<'PY'
@@ -552,7 +571,7 @@ for r in rows:
     total[k] += float(r[value].replace(",", "")) / 1e3
     count[k] += 1
 what = {"decode": "5 decode steps", "prefill": "2 prefill chunks of 4096 tokens",
-        "batch": "3 decode steps of 16 sequences"}[sys.argv[2]]
+        "batch": "3 decode steps of 16 sequences", "verify": "3 verify steps of 4 rows"}[sys.argv[2]]
 print(f"== {sys.argv[2]}: all launches of the run (load, fill, {what})")
 print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel")
 for k, t in total.most_common(40):

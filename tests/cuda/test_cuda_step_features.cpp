@@ -450,5 +450,127 @@ TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
   cuda::set_kernel_choice(cuda::KernelChoice{});
 }
 
+
+// A verify step's rows are its decode steps', bit for bit, in the quantised (default) mode:
+// on a model of K-quant matrices (Q2_K experts, Q6_K where the widths allow, Q8_0 elsewhere),
+// feeding 24 tokens one a step and 2, 3, 4, 5 (MTP verify of k = 1..4) or 8 a step gives the
+// same logits and final streams, across the 8-token window's wraps and the 4- and 16-token
+// compression blocks (matvec.h, kRowKernelMaxRows; attention_ops.cu's row-local splits).
+// Then speculative greedy decoding at k = 1..4 and adaptive k, graph-replayed, equals plain
+// greedy decoding token for token.
+TEST_F(CudaStepFeatures, VerifyRowsAreDecodeStepsBitForBit) {
+  cuda::set_kernel_choice(cuda::KernelChoice{});
+  const std::string kquant = (dir_->path() / "kquant.gguf").string();
+  {
+    ModelConfig c = tiny_config();
+    c.vocab_size = 512;
+    c.context_length = 256;
+    SynthOptions so;
+    so.config = c;
+    so.seed = 29;
+    so.write_tokenizer = false;
+    so.expert_type = GgmlType::Q2_K;
+    so.dense_type = GgmlType::Q6_K;
+    so.layout = WriteLayout::Bundled;
+    ASSERT_TRUE(write_synthetic_model(kquant, so).is_ok());
+  }
+  const auto load_kquant = [&](bool graphs) -> std::unique_ptr<Model> {
+    ModelOptions mo;
+    mo.qat = false;
+    mo.cache.max_sequences = 4;
+    mo.graphs = graphs;
+    mo.matmul = backend::MatmulMode::Quantized;
+    auto m = Model::load(kquant, *gpu_, mo);
+    EXPECT_TRUE(m.is_ok()) << m.status().message();
+    return m.is_ok() ? std::move(m).value() : nullptr;
+  };
+  const std::vector<int32_t> prompt = tokens(13, 91), fed = tokens(24, 92);
+  {
+    auto m = load_kquant(false);
+    ASSERT_TRUE(m);
+    SequenceOptions so;
+    so.max_context = 128;
+    // Tokens fed `width` a step; every row's logits and final streams.
+    const auto run = [&](size_t width, std::vector<float>& logits, std::vector<float>& streams) {
+      auto seq = std::move(m->new_sequence(so)).value();
+      ASSERT_TRUE(m->prefill(*seq, prompt).is_ok());
+      for (size_t i = 0; i < fed.size(); i += width) {
+        const size_t n = std::min(width, fed.size() - i);
+        std::vector<BatchItem> batch{{seq.get(), std::span<const int32_t>(fed.data() + i, n), true, true, nullptr}};
+        ForwardOutput fo;
+        ASSERT_TRUE(m->forward(batch, fo).is_ok());
+        ASSERT_EQ(fo.rows, static_cast<int64_t>(n));
+        logits.insert(logits.end(), fo.logits.begin(), fo.logits.end());
+        streams.insert(streams.end(), fo.streams.begin(), fo.streams.end());
+      }
+    };
+    std::vector<float> want_logits, want_streams;
+    run(1, want_logits, want_streams);
+    ASSERT_EQ(want_logits.size(), fed.size() * 512);
+    for (const float v : want_logits) ASSERT_TRUE(std::isfinite(v));
+    for (const size_t width : {2, 3, 4, 5, 8}) {
+      SCOPED_TRACE(::testing::Message() << width << " tokens a step");
+      std::vector<float> logits, streams;
+      run(width, logits, streams);
+      ASSERT_EQ(logits.size(), want_logits.size());
+      ASSERT_EQ(streams.size(), want_streams.size());
+      for (size_t t = 0; t < fed.size(); ++t) {
+        EXPECT_EQ(0, std::memcmp(logits.data() + t * 512, want_logits.data() + t * 512, 512 * sizeof(float)))
+            << "logits of token " << t << " differ from its one-token step";
+      }
+      EXPECT_EQ(0, std::memcmp(streams.data(), want_streams.data(), streams.size() * sizeof(float)))
+          << "final streams differ from the one-token steps'";
+    }
+  }
+  // Greedy, device-sampled and graph-replayed: plain decoding against speculation.
+  auto m = load_kquant(true);
+  ASSERT_TRUE(m && m->has_mtp());
+  constexpr size_t kTokens = 40;
+  std::vector<int32_t> want;
+  {
+    SequenceOptions so;
+    so.max_context = 160;
+    auto seq = std::move(m->new_sequence(so)).value();
+    auto logits = m->prefill(*seq, prompt);
+    ASSERT_TRUE(logits.is_ok());
+    int32_t last = static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin());
+    want.push_back(last);
+    SampleSpec greedy;
+    greedy.temperature = 0;
+    while (want.size() < kTokens) {
+      std::vector<BatchItem> batch{{seq.get(), std::span<const int32_t>(&last, 1), false, false, &greedy}};
+      ForwardOutput fo;
+      ASSERT_TRUE(m->forward(batch, fo).is_ok());
+      want.push_back(last = fo.tokens[0]);
+    }
+  }
+  for (const int k : {1, 2, 3, 4, 0}) {  // 0: adaptive, up to 4
+    SCOPED_TRACE(::testing::Message() << "k " << (k ? std::to_string(k) : "adaptive"));
+    runtime::SpecOptions o;
+    o.max_k = k ? k : 4;
+    o.adaptive = k == 0;
+    runtime::SpeculativeDecoder dec(*m, o);
+    SequenceOptions so;
+    so.max_context = 160;
+    so.with_mtp = true;
+    auto seq = std::move(m->new_sequence(so)).value();
+    runtime::SpecSequence spec;
+    spec.sequence = seq.get();
+    auto first = dec.start(spec, prompt);
+    ASSERT_TRUE(first.is_ok()) << first.status().message();
+    std::vector<int32_t> got{*first};
+    std::vector<runtime::SpecSequence*> step{&spec};
+    std::vector<std::vector<int32_t>> emitted;
+    while (got.size() < kTokens) {
+      const Status st = dec.step(step, emitted);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      got.insert(got.end(), emitted[0].begin(), emitted[0].end());
+    }
+    got.resize(kTokens);
+    EXPECT_EQ(got, want);
+    EXPECT_GT(spec.stats.drafted, 0);
+  }
+}
+
 }  // namespace
 }  // namespace dsv4

@@ -83,7 +83,10 @@ class MatvecTest : public ::testing::TestWithParam<GgmlType> {
     for (const bool legacy : {false, true}) {
       SCOPED_TRACE(legacy ? "legacy kernels" : "default kernels");
       KernelChoice c;
-      if (legacy) c = KernelChoice{false, false, false, false, false};
+      if (legacy) {
+        c = KernelChoice{false, false, false, false, false};
+        c.matvec_rows = false;
+      }
       set_kernel_choice(c);
       body();
     }
@@ -104,7 +107,8 @@ TEST_P(MatvecTest, OddShapesRowsAndUnalignedBatches) {
   for_each_choice([&] {
     for (const Case& c : {Case{37, k_odd, 1, 1, 0}, Case{37, k_odd, 3, 3, 6}, Case{5, k_odd, 2, 16, 2},
                           Case{130, 2 * k_odd, 1, 7, 0}, Case{33, k_odd, 1, 9, 0}, Case{37, k_odd, 3, 1, 2},
-                          Case{21, 3072, 2, 1, 4}, Case{33, k_odd, 2, 12, 16}, Case{19, 3072, 2, 1, 32}})
+                          Case{21, 3072, 2, 1, 4}, Case{33, k_odd, 2, 12, 16}, Case{19, 3072, 2, 1, 32},
+                          Case{45, 3072, 1, 5, 0}, Case{29, 8192, 1, 8, 0}, Case{13, k_odd, 3, 4, 2}})
       run_case(type, c, rng);
   });
 }
@@ -217,6 +221,64 @@ TEST_P(MatvecTest, BatchInvariantRowsEqualAlone) {
     }
   }
   set_kernel_choice(KernelChoice{});
+}
+
+// 2..kRowKernelMaxRows rows (KernelChoice::matvec_rows, the default): every row's outputs are
+// the bits of the same product of that row alone, for one matrix (the block quantising its
+// rows itself, or, for 8 rows of k = 8192, a launch of their own first), batched matrices each
+// with their own rows, and one x for every matrix (shared_x); so an MTP verify row equals its
+// decode step's product. Every type: the row kernels, the general kernel where one row takes
+// it, BF16's streaming kernel.
+TEST_P(MatvecTest, FewRowsAreEachRowAlone) {
+  const GgmlType type = GetParam();
+  std::mt19937_64 rng(dsv4::test::test_seed() + 4);
+  SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
+  set_kernel_choice(KernelChoice{});
+  const int64_t block = ggml_traits(type).block_elems;
+  constexpr int64_t kN = 45;
+  for (const int64_t k : {block == 256 ? int64_t{768} : int64_t{224}, int64_t{1024}, int64_t{4096}, int64_t{8192}}) {
+    const size_t matrix = row_bytes(type, k) * kN;
+    std::vector<uint8_t> w(3 * matrix);
+    for (int b = 0; b < 3; ++b) {
+      const auto m = random_weights(type, kN, k, rng);
+      std::memcpy(&w[b * matrix], m.data(), m.size());
+    }
+    DeviceBuffer dw = DeviceBuffer::from(w);
+    for (const int rows : {2, 3, 5, kRowKernelMaxRows}) {
+      for (const int64_t batch : {int64_t{1}, int64_t{3}}) {
+        for (const bool shared : {false, true}) {
+          if (shared && batch == 1) continue;
+          SCOPED_TRACE("k " + std::to_string(k) + ", rows " + std::to_string(rows) + ", batch " +
+                       std::to_string(batch) + (shared ? ", shared x" : ""));
+          const int64_t x_rows = shared ? rows : batch * rows;
+          const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(x_rows * k), rng);
+          DeviceBuffer dx = DeviceBuffer::from(x);
+          MatvecWeights all{type, dw.get(), kN, k, batch, static_cast<int64_t>(matrix)};
+          all.shared_x = shared;
+          DeviceBuffer ws(std::max(matvec_workspace_bytes(all, rows), matvec_workspace_bytes(MatvecWeights{type, dw.get(), kN, k, 1, 0}, 1)));
+          DeviceBuffer dy(static_cast<size_t>(batch * rows * kN) * sizeof(float));
+          dy.poison();
+          ASSERT_OK(matvec(all, dx.get<float>(), rows, dy.get<float>(), ws.get(), ws.bytes(), nullptr));
+          ASSERT_CUDA(cudaDeviceSynchronize());
+          const auto together = dy.to_host<float>(static_cast<size_t>(batch * rows * kN));
+          for (const float v : together) ASSERT_TRUE(std::isfinite(v));
+          DeviceBuffer y1(static_cast<size_t>(kN) * sizeof(float));
+          for (int64_t b = 0; b < batch; ++b) {
+            const MatvecWeights one{type, dw.get<uint8_t>() + b * matrix, kN, k, 1, 0};
+            for (int r = 0; r < rows; ++r) {
+              const int64_t x_row = shared ? r : b * rows + r;
+              y1.poison();
+              ASSERT_OK(matvec(one, dx.get<float>() + x_row * k, 1, y1.get<float>(), ws.get(), ws.bytes(), nullptr));
+              ASSERT_CUDA(cudaDeviceSynchronize());
+              const auto alone = y1.to_host<float>(static_cast<size_t>(kN));
+              EXPECT_EQ(0, std::memcmp(alone.data(), together.data() + (b * rows + r) * kN, alone.size() * sizeof(float)))
+                  << "matrix " << b << ", row " << r << " differs from the same row alone";
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(Matvec, RejectsBadArguments) {

@@ -89,6 +89,14 @@ TEST(RunCliTest, SpecKeepsGreedyOutputAndReportsAcceptance) {
   const std::string bad = run("-p 'Hi' --spec 5 2>&1", &rc);
   EXPECT_NE(rc, 0);
   expect_contains(bad, "--spec");
+  // auto, the default, speculates only on a device: off on the CPU backend.
+  const auto automatic = run_json("-p 'Hi' --raw --temp 0 -n 24 --seed 1 --spec auto");
+  EXPECT_EQ(plain["content"], automatic["content"]);
+  EXPECT_FALSE(automatic.contains("speculative"));
+  rc = -1;
+  const std::string word = run("-p 'Hi' --spec often 2>&1", &rc);
+  EXPECT_NE(rc, 0);
+  expect_contains(word, "expected auto or a draft count 0..4");
 }
 
 TEST(RunCliTest, StopStringCutsTheOutput) {

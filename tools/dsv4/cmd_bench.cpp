@@ -14,7 +14,9 @@
 //              rollback (Model::rewind of 4 tokens: host bookkeeping; V4.1's snapshot +
 //              restore + replay where rewind is not available); from them the speedup at
 //              each acceptance rate and the break-even acceptance (random weights make
-//              measured acceptance meaningless, so it is modelled).
+//              measured acceptance meaningless, so it is modelled); then, at batch 1, greedy
+//              speculation end to end with drafts forced to agree (100%, ~50%) and with the
+//              MTP block's own, in tokens/s against plain greedy decoding.
 // Depth comes from a synthetic fill (Model::fill_for_benchmark: random cache contents, as
 // costly to read as real ones) or a real prefill. Times are the backend's timing points
 // (CUDA events on the GPU, the host clock on the CPU) after warm-up, the median of repeats.
@@ -38,6 +40,7 @@
 #include "model/model.h"
 #include "model/model_files.h"
 #include "model/step_cost.h"
+#include "runtime/speculative.h"
 #include "text/pyjson.h"
 #include "util/counter_rng.h"
 #include "util/thread_pool.h"
@@ -66,6 +69,7 @@ struct BenchOptions {
   int prefill_repeats = 2;
   int warmup = 3;
   bool no_graphs = false;
+  int verify_rows = 0;  // --verify-rows N: the spec part times only verify steps of N rows (for a profiler)
   uint64_t seed = 1;
   std::string label;
   std::string json;
@@ -318,6 +322,12 @@ class Bench {
       }
       return model_.forward(items, out);
     };
+    if (o_.verify_rows > 0) {  // a profiler's run: these steps alone
+      DSV4_ASSIGN_OR_RETURN(double ms, time_per_call([&] { return forward_rows(o_.verify_rows); }));
+      report(fmt::format("spec B={} D={} verify rows={}", sequences, depth, o_.verify_rows), ms, "ms", 1.0,
+             "--verify-rows: greedy verify steps only");
+      return Status::ok();
+    }
     DSV4_ASSIGN_OR_RETURN(double plain_ms, time_per_call([&] { return forward_rows(0); }));
     std::vector<double> verify_ms;
     for (int k = 1; k <= 4; ++k) {
@@ -398,6 +408,107 @@ class Bench {
                            {"draft_ms", draft_ms}, {"rollback_ms", rollback_ms},
                            {"verify_k3_logits_ms", logits_verify_ms},
                            {"rollback", rewind ? "rewind" : "snapshot+restore+replay"}, {"by_k", per_k}});
+    return Status::ok();
+  }
+
+  // Speculative greedy decoding end to end at batch 1 (issue 15's test mode,
+  // SpecOptions::forced_draft): a plain greedy run of kTokens tokens after a random prompt
+  // records the target's tokens; then the decoder with drafts forced to agree (acceptance
+  // 100%), forced to agree at about half the positions (a hash of the position), and with the
+  // MTP block's own drafts (random weights: next to none accepted; adaptive k), each on the
+  // same prompt. A run is timed whole (every step returns its tokens to the host), warm: each
+  // setting runs twice and the second run counts. Every run's tokens must equal the plain
+  // run's (greedy speculation is exact); a difference is reported, not hidden.
+  Status spec_end_to_end() {
+    const ModelConfig& c = model_.config();
+    constexpr int64_t kPrompt = 64, kTokens = 96;
+    const std::vector<int32_t> prompt = random_tokens(mix_keys(o_.seed, 0x5e2e), kPrompt, c.vocab_size);
+    SequenceOptions so = context_of(static_cast<uint64_t>(kPrompt + kTokens + 8));
+    so.with_mtp = true;
+    std::vector<int32_t> want;
+    const auto plain = [&](double* ms) -> Status {
+      DSV4_ASSIGN_OR_RETURN(auto seq, model_.new_sequence(so));
+      DSV4_ASSIGN_OR_RETURN(std::vector<float> logits, model_.prefill(*seq, prompt));
+      int32_t last = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      std::vector<int32_t> got{last};
+      const SampleSpec greedy{.temperature = 0, .adjust = {}};
+      ForwardOutput out;
+      DSV4_ASSIGN_OR_RETURN(auto t0, be_.time_point());
+      while (static_cast<int64_t>(got.size()) < kTokens) {
+        const BatchItem item{.sequence = seq.get(), .tokens = std::span<const int32_t>(&last, 1), .sample = &greedy};
+        DSV4_TRY(model_.forward(std::span<const BatchItem>(&item, 1), out));
+        got.push_back(last = out.tokens[0]);
+      }
+      DSV4_ASSIGN_OR_RETURN(auto t1, be_.time_point());
+      DSV4_ASSIGN_OR_RETURN(*ms, be_.elapsed_ms(t0, t1));
+      want = std::move(got);
+      return Status::ok();
+    };
+    double plain_ms = 0;
+    DSV4_TRY(plain(&plain_ms));
+    DSV4_TRY(plain(&plain_ms));
+    const double plain_tps = (kTokens - 1) / (plain_ms * 1e-3);
+    report("spec B=1 end to end plain", plain_tps, "tok/s", 1.0,
+           fmt::format("{} greedy tokens after a {}-token prompt, device-sampled decode steps", kTokens - 1, kPrompt));
+    Json runs = Json::array();
+    const auto speculative = [&](const char* what, runtime::SpecOptions opts) -> Status {
+      double ms = 0;
+      runtime::SpecStats stats;
+      int64_t first_difference = -1;
+      for (int pass = 0; pass < 2; ++pass) {
+        DSV4_ASSIGN_OR_RETURN(auto seq, model_.new_sequence(so));
+        runtime::SpeculativeDecoder dec(model_, opts);
+        runtime::SpecSequence s;
+        s.sequence = seq.get();
+        DSV4_ASSIGN_OR_RETURN(const int32_t first, dec.start(s, prompt));
+        std::vector<int32_t> got{first};
+        std::vector<std::vector<int32_t>> emitted;
+        runtime::SpecSequence* one = &s;
+        DSV4_ASSIGN_OR_RETURN(auto t0, be_.time_point());
+        while (static_cast<int64_t>(got.size()) < kTokens) {
+          DSV4_TRY(dec.step(std::span<runtime::SpecSequence* const>(&one, 1), emitted));
+          got.insert(got.end(), emitted[0].begin(), emitted[0].end());
+        }
+        DSV4_ASSIGN_OR_RETURN(auto t1, be_.time_point());
+        DSV4_ASSIGN_OR_RETURN(ms, be_.elapsed_ms(t0, t1));
+        got.resize(kTokens);
+        first_difference = -1;
+        for (int64_t i = 0; i < kTokens && first_difference < 0; ++i)
+          if (got[i] != want[i]) first_difference = i;
+        stats = s.stats;
+      }
+      const double tps = static_cast<double>(kTokens - 1) / (ms * 1e-3);
+      report(fmt::format("spec B=1 end to end {}", what), tps, "tok/s", tps / plain_tps,
+             fmt::format("ratio = x plain; acceptance {:.2f}, {:.2f} tokens/step; {}", stats.acceptance(),
+                         stats.tokens_per_step(),
+                         first_difference < 0 ? std::string("the plain run's tokens")
+                                              : fmt::format("DIFFERS from the plain run at token {}", first_difference)));
+      runs.push_back(Json{{"drafts", what}, {"max_k", opts.max_k}, {"adaptive", opts.adaptive},
+                          {"tokens_per_second", tps}, {"over_plain", tps / plain_tps},
+                          {"acceptance", stats.acceptance()}, {"tokens_per_step", stats.tokens_per_step()},
+                          {"identical", first_difference < 0}});
+      return Status::ok();
+    };
+    const auto at = [&](int64_t position) { return want.at(static_cast<size_t>(position - kPrompt)); };
+    runtime::SpecOptions agree;
+    agree.max_k = 3;
+    agree.adaptive = false;
+    agree.forced_draft = [&](int64_t position) { return position - kPrompt < kTokens ? at(position) : 0; };
+    DSV4_TRY(speculative("forced 100% k=3", agree));
+    runtime::SpecOptions half = agree;
+    half.forced_draft = [&](int64_t position) {
+      if (position - kPrompt >= kTokens) return 0;
+      const bool agrees = (static_cast<uint64_t>(position) * 0x9E3779B97F4A7C15ull) >> 63;
+      return agrees ? at(position) : static_cast<int32_t>((at(position) + 1) % c.vocab_size);
+    };
+    DSV4_TRY(speculative("forced ~50% k=3", half));
+    half.max_k = 1;
+    DSV4_TRY(speculative("forced ~50% k=1", half));
+    runtime::SpecOptions own;
+    own.max_k = 3;
+    DSV4_TRY(speculative("MTP drafts adaptive k<=3", own));
+    results.push_back(Json{{"kind", "spec_end_to_end"}, {"prompt", kPrompt}, {"tokens", kTokens - 1},
+                           {"plain_tokens_per_second", plain_tps}, {"runs", runs}});
     return Status::ok();
   }
 
@@ -570,6 +681,7 @@ int run_bench(const BenchOptions& o) {
       if (b != 1) sizes.push_back(b);
     for (int64_t b : sizes)
       if (st.is_ok()) st = measured(bench.spec(b, o.batch_depth));
+    if (st.is_ok() && o.verify_rows == 0) st = measured(bench.spec_end_to_end());
   }
   if (wants(o, "prefill"))
     for (int64_t p : o.prefill)
@@ -604,6 +716,9 @@ void register_bench(CLI::App& app, CommandRunner& run) {
   app.add_option("--warmup", o->warmup, "untimed decode steps first (direct, graph recording, replay)")
       ->capture_default_str();
   app.add_flag("--no-graphs", o->no_graphs, "run decode steps directly, not replayed from graphs");
+  app.add_option("--verify-rows", o->verify_rows,
+                 "with --parts spec: time only greedy verify steps of N rows per sequence (1..5), e.g. under a profiler")
+      ->check(CLI::Range(1, 5));
   app.add_option("--seed", o->seed, "seed of the tokens and the cache fill")->capture_default_str();
   app.add_option("--label", o->label, "prefix of every figure's name (e.g. the model)");
   app.add_option("--json", o->json, "write every measurement, bound and ceiling to this JSON file");

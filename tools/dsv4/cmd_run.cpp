@@ -80,6 +80,7 @@ int run_run(RunOptions& o) {
     };
     if (s.generate.spec > 0)
       out["speculative"] = {{"max_drafts", s.generate.spec},
+                            {"auto", s.spec_auto},
                             {"steps", stats->spec.steps},
                             {"drafted", stats->spec.drafted},
                             {"accepted", stats->spec.accepted},

@@ -31,6 +31,13 @@ Result<std::pair<int32_t, float>> parse_bias(const std::string& s) {
   }
 }
 
+// --spec: "auto" (-1) or a draft count 0..4.
+Result<int> parse_spec(const std::string& s) {
+  if (s == "auto") return -1;
+  if (s.size() == 1 && s[0] >= '0' && s[0] <= '4') return s[0] - '0';
+  return Status::errorf("--spec '{}': expected auto or a draft count 0..4", s);
+}
+
 }  // namespace
 
 void add_session_flags(CLI::App& app, SessionFlags& f) {
@@ -59,8 +66,9 @@ void add_session_flags(CLI::App& app, SessionFlags& f) {
   app.add_option("--stop", f.stop, "stop when the output contains this text (repeatable)")->allow_extra_args(false);
   app.add_option("--stop-token", f.stop_token, "stop at this token id, besides EOS (repeatable)")->allow_extra_args(false);
   app.add_option("-n,--max-tokens", f.max_tokens, "most tokens to generate per reply (default 2048)");
-  app.add_option("--spec", f.spec, "MTP speculative decoding: at most K draft tokens per step, 1..4 (default 0 = off)")
-      ->check(CLI::Range(0, 4));
+  app.add_option("--spec", f.spec,
+                 "MTP speculative decoding: at most K draft tokens per step, 1..4, 0 = off; auto (default): 3 where "
+                 "it pays (dsv4 run, greedy, a CUDA device, a model with an MTP block), else off");
   app.add_option("-s,--seed", f.seed, "random seed; the same seed gives the same output (default: random)");
   add_intervention_flags(app, f.interventions);
 }
@@ -84,6 +92,7 @@ Status validate_session_flags(const SessionFlags& f) {
     return Status::error(m);
   }
   for (const std::string& b : f.logit_bias) DSV4_TRY(parse_bias(b).status());
+  DSV4_TRY(parse_spec(f.spec).status());
   if (f.max_tokens < 0) return Status::errorf("--max-tokens {} must be >= 0", f.max_tokens);
   for (const std::string& s : f.stop)
     if (s.empty()) return Status::error("--stop: an empty stop string would stop at once");
@@ -99,6 +108,13 @@ Status validate_session_flags(const SessionFlags& f) {
                             f.effort_table == "v4" ? "high or max" : "low, high or max", f.effort_table);
   }
   return Status::ok();
+}
+
+int resolve_spec(const Session& s, bool one_reply) {
+  const runtime::SamplingParams& p = s.generate.sampling;
+  const bool plain_greedy = p.temperature == 0.0f && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
+                            p.frequency_penalty == 0.0f && p.logit_bias.empty();
+  return one_reply && s.backend.device && s.model && s.model->has_mtp() && plain_greedy && !s.graft ? 3 : 0;
 }
 
 Result<Session> open_session(const SessionFlags& f, const char* command) {
@@ -168,7 +184,9 @@ Result<Session> open_session(const SessionFlags& f, const char* command) {
     if (static_cast<size_t>(t) >= vocab)
       return Status::errorf("--stop-token {} is outside the vocabulary [0, {})", t, vocab);
   s.generate.max_tokens = f.max_tokens;
-  s.generate.spec = f.spec;
+  DSV4_ASSIGN_OR_RETURN(const int spec, parse_spec(f.spec));
+  s.spec_auto = spec < 0;
+  s.generate.spec = spec >= 0 ? spec : resolve_spec(s, std::string_view(command) == "dsv4 run");
   s.generate.stop_strings = f.stop;
   s.generate.stop_tokens = f.stop_token;
   return s;

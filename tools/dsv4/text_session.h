@@ -37,7 +37,9 @@ struct SessionFlags {
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token;
   int64_t max_tokens = 2048;
-  int spec = 0;       // --spec K: MTP speculative decoding, at most K drafts per step
+  // --spec auto|K: MTP speculative decoding, at most K (1..4) drafts per step, 0 off; auto
+  // (the default) resolves in open_session (resolve_spec).
+  std::string spec = "auto";
   uint64_t seed = 0;
   bool seed_given = false;
   // Chat format.
@@ -65,7 +67,15 @@ struct Session {
   text::ChatOptions chat;
   runtime::GenerateOptions generate;
   std::shared_ptr<const KvGraft> graft;  // --kv-graft: for the generator (set_graft)
+  bool spec_auto = false;  // --spec auto: generate.spec is resolve_spec's choice
 };
+
+// What --spec auto means for a session: 3 drafts where speculation pays and is exact, off
+// elsewhere. It pays for one reply (dsv4 run: chat would prefill every turn again) of plain
+// greedy decoding (the verify path brings no logits back) on a device (on the CPU a verify
+// row costs what a step does), with a model that has an MTP block and no KV graft; adaptive k
+// falls back to plain steps where drafts keep failing (docs/CLI.md, docs/PERFORMANCE.md).
+int resolve_spec(const Session& s, bool one_reply);
 
 // Loads the model (the built-in one when -m is absent, writing it on first use) and its
 // tokenizer, and turns the flags into chat and generation options. `command` prefixes

@@ -126,7 +126,16 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
   // Batch-invariant mode (matvec.h's KernelChoice), steps of decode size: the split of a
   // row's keys must not depend on the rows beside it, so every key tile is a split of its
   // own (a row's empty splits weigh nothing in the combine: the same bits as without them).
-  const bool invariant = kernel_choice().batch_invariant && m.n <= kMmaMaxRows;
+  const KernelChoice choice = kernel_choice();
+  const bool invariant = choice.batch_invariant && m.n <= kMmaMaxRows;
+  // Steps of up to kRowKernelMaxRows rows (matvec.h: one sequence's decode and its MTP verify
+  // rows, a few sequences) split by the keys alone: every key tile a split of its own up to
+  // kRowLocalMaxSplits tiles (2048 keys on the tensor cores, so every CSA layer and HCA layers
+  // to ~245K positions), so a row's bits depend neither on the step's other rows nor on its
+  // max_end; past that, splits of equal tiles fixed by max_end (the same in every step a
+  // graph records for the cache's longest context). The partials stay below ~67 MB.
+  constexpr int64_t kRowLocalMaxSplits = 64;
+  const bool row_local = !invariant && choice.matvec_rows && m.n <= kRowKernelMaxRows;
   p.max_keys = a.window + (a.ratio > 0 ? (a.selected ? a.top : m.max_end / a.ratio) : 0);
   const int tile = p.tensor_cores ? attn::kMmaKeyTile : attn::kKeyTile;
   const int64_t tiles_max = ceil_div(p.max_keys, tile);
@@ -161,6 +170,7 @@ Status plan_attention(const AttentionArgs& a, const StepMeta& m, AttentionPrecis
   int64_t splits = 1;
   if (blocks > 0 && 2 * blocks <= capacity && tiles_max > 1) splits = std::min(tiles_max, capacity / blocks);
   if (invariant) splits = std::min<int64_t>(tiles_max, attn::kCombineMaxSplits);
+  if (row_local) splits = std::min<int64_t>(tiles_max, kRowLocalMaxSplits);
   p.tiles_per_split = static_cast<int>(std::max<int64_t>(1, ceil_div(tiles_max, splits)));
   p.splits = static_cast<int>(std::max<int64_t>(1, ceil_div(tiles_max, p.tiles_per_split)));
   if (p.splits > attn::kCombineMaxSplits) return Status::errorf("attention: {} splits (limit {})", p.splits, attn::kCombineMaxSplits);

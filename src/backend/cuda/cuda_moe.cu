@@ -305,10 +305,11 @@ Status CudaBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Ten
   DSV4_ASSIGN_OR_RETURN(const Tensor gu, scratch(GgmlType::F32, std::vector<int64_t>{2, n, inter}));
   const Tensor g = gu.at(0), u = gu.at(1);
   DSV4_ASSIGN_OR_RETURN(Tensor o, scratch(GgmlType::F32, std::vector<int64_t>{n, xv.cols}));
-  // One row (decode): gate and up as one launch of the one-row kernel over both matrices
-  // (matvec.h shared_x), each output the bits of its own product.
+  // A few rows (decode, an MTP verify): gate and up as one launch of the row kernels over
+  // both matrices (matvec.h shared_x), each output the bits of its own product.
   const auto row_bytes = ggml_row_bytes(gate.type, static_cast<uint64_t>(xv.cols));
-  const bool paired = n == 1 && mode == MatmulMode::Quantized && gate.type == up.type && gate.rank == 2 &&
+  const bool few = n == 1 || (n <= cuda::kRowKernelMaxRows && cuda::kernel_choice().matvec_rows && xv.ld == xv.cols);
+  const bool paired = few && mode == MatmulMode::Quantized && gate.type == up.type && gate.rank == 2 &&
                       up.rank == 2 && gate.cols() == xv.cols && up.cols() == xv.cols && gate.backend == this &&
                       up.backend == this && cuda::matvec_supported(gate.type) && xv.cols % 32 == 0 && row_bytes &&
                       gate.row_stride() == static_cast<int64_t>(*row_bytes) &&
@@ -318,12 +319,12 @@ Status CudaBackend::swiglu_expert(const Tensor& x, const Tensor& gate, const Ten
   if (paired) {
     const cuda::MatvecWeights mw{gate.type, gate.data, inter, xv.cols, 2,
                                  static_cast<const uint8_t*>(up.data) - static_cast<const uint8_t*>(gate.data), true};
-    const size_t ws_bytes = cuda::matvec_workspace_bytes(mw, 1);
+    const size_t ws_bytes = cuda::matvec_workspace_bytes(mw, static_cast<int>(n));
     void* ws = nullptr;
     if (ws_bytes) {
       DSV4_ASSIGN_OR_RETURN(ws, impl_->scratch_bytes(ws_bytes));
     }
-    DSV4_TRY(cuda::matvec(mw, xv.p, 1, static_cast<float*>(gu.data), ws, ws_bytes, impl_->stream));
+    DSV4_TRY(cuda::matvec(mw, xv.p, static_cast<int>(n), static_cast<float*>(gu.data), ws, ws_bytes, impl_->stream));
   } else {
     DSV4_TRY(matmul(gate, x, g, mode));
     DSV4_TRY(matmul(up, x, u, mode));

@@ -30,59 +30,84 @@ Status launch_rows(const MatvecArgs& a, int rows, cudaStream_t stream) {
   return detail::launch_matvec<Policy, 16, MatvecMode::kPlain>(a, 1, tasks, stream);
 }
 
-// One activation row: the leaner kernel of matvec_row_kernel.cuh, when the rows' alignment
-// suits it, its units cover the row and each lane's activation slice fits in registers (S
-// units per lane; k up to 8192 for the K-quants). Returns launched = false when the general
-// kernel has to run instead.
+// The row kernels (matvec_row_kernel.cuh) for `rows` activation rows per task: one row,
+// or 2..kRowKernelMaxRows with the same arithmetic for each.
+template <GgmlType T, int S>
+Status launch_row_variant(const MatvecArgs& a, int rows, int64_t tasks, cudaStream_t stream, int64_t min_rows = 1) {
+  using Policy = detail::QuantPolicy<T>;
+  constexpr auto kPlain = MatvecMode::kPlain;
+  if (rows == 1)
+    return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, S>>(a, 1, tasks, stream, min_rows);
+  return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_rows_kernel<T, S>>(a, 1, tasks, stream, min_rows);
+}
+
+// Shared memory the multi-row kernel may spend on quantising its rows itself; beyond it the
+// rows are quantised by a launch of their own and read from L1.
+constexpr int64_t kRowsFusedQuantBytes = 64 * 1024;
+
+// The leaner kernels of matvec_row_kernel.cuh for `rows` activation rows per task (1, or up
+// to kRowKernelMaxRows), when the rows' alignment suits them, their units cover the row and
+// each lane's activation slice fits in registers (S units per lane; k up to 8192 for the
+// K-quants). Whether they apply depends on the weights' shape alone, never on `rows` or x,
+// so a row's kernel (and its bits) is the same alone and among others. Returns launched =
+// false when the general kernel has to run instead.
 template <GgmlType T>
-Status launch_row_kernel(const MatvecArgs& a, cudaStream_t stream, bool& launched) {
+Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, bool& launched) {
   using Policy = detail::QuantPolicy<T>;
   constexpr int kAlign = detail::RowUnit<T>::kAlign;
-  constexpr auto kPlain = MatvecMode::kPlain;
   launched = false;
   if (a.matrix_stride % kAlign != 0 || a.row_bytes % kAlign != 0) return Status::ok();
   if (!detail::row_unit_covers<T>(a.act.k)) return Status::ok();
   const int64_t units = (a.act.k + Policy::kUnitWeights - 1) / Policy::kUnitWeights;
   const int lanes = detail::lanes_per_row(a.act.k, Policy::kUnitWeights);
   const int64_t steps = (units + lanes - 1) / lanes;
+  const bool covered = steps <= 2 || ((T == GgmlType::Q8_0 || T == GgmlType::Q4_K) && steps <= 4) ||
+                       (T == GgmlType::Q8_0 && steps <= 8);
+  if (!covered) return Status::ok();
   const int64_t tasks = a.n_tasks;
-  // f32 activations (matvec: one row, one matrix or one x for all): the block quantises them
-  // itself.
+  // f32 activations (one matrix, or one x for all): the block quantises them itself.
   MatvecArgs fused = a;
+  fused.act_rows = rows;
   if (a.act.q == nullptr) {
     if (a.act.f == nullptr || (tasks != 1 && !a.shared_act) || Policy::kIq2) return Status::ok();
-    fused.act_smem_bytes = detail::row_quant_smem_bytes(a.act.k, Policy::kUnitWeights, lanes);
+    if (rows == 1) {
+      fused.act_smem_bytes = detail::row_quant_smem_bytes(a.act.k, Policy::kUnitWeights, lanes);
+    } else {
+      const int64_t padded = padded_row_values(a.act.k, ActivationLayout{Policy::kUnitWeights, lanes});
+      const int64_t bytes = rows * detail::row_quant_smem_stride(padded);
+      if (bytes > kRowsFusedQuantBytes) return Status::ok();  // the caller quantises first
+      fused.act_smem_bytes = static_cast<int>(bytes);
+    }
   }
   const MatvecArgs& b = fused;
   launched = true;
-  if (steps <= 1) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 1>>(b, 1, tasks, stream);
+  if (steps <= 1) return launch_row_variant<T, 1>(b, rows, tasks, stream);
   // Q2_K with two units per lane (k = 8192: one 2688-byte row per 4 KB group): two rows per
   // group for the kernel's paired pass, at no cost in occupancy (registers allow 12 warps per
   // multiprocessor either way). Q3_K's larger rows would lose a third of its warps.
   const int64_t pair_rows = T == GgmlType::Q2_K ? 2 * (32 / lanes) : 1;
-  if (steps <= 2)
-    return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 2>>(b, 1, tasks, stream, pair_rows);
+  if (steps <= 2) return launch_row_variant<T, 2>(b, rows, tasks, stream, pair_rows);
   if constexpr (T == GgmlType::Q8_0 || T == GgmlType::Q4_K) {
-    if (steps <= 4) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 4>>(b, 1, tasks, stream);
+    if (steps <= 4) return launch_row_variant<T, 4>(b, rows, tasks, stream);
   }
   if constexpr (T == GgmlType::Q8_0) {
-    if (steps <= 8) return detail::launch_matvec_kernel<Policy, 1, kPlain, &detail::matvec_row_kernel<T, 8>>(b, 1, tasks, stream);
+    if (steps <= 8) return launch_row_variant<T, 8>(b, rows, tasks, stream);
   }
   launched = false;
   return Status::ok();
 }
 
-// The row kernel for the types that have one (launched = false: the general kernel runs).
-Status launch_one_row(GgmlType type, const MatvecArgs& a, const KernelChoice& choice, cudaStream_t stream,
+// The row kernels for the types that have them (launched = false: the general kernel runs).
+Status launch_one_row(GgmlType type, const MatvecArgs& a, int rows, const KernelChoice& choice, cudaStream_t stream,
                       bool& launched) {
   launched = false;
-  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, stream, launched);
-  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, stream, launched);
-  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, stream, launched);
+  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, rows, stream, launched);
+  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, rows, stream, launched);
+  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, rows, stream, launched);
   if (!choice.matvec_row_extra) return Status::ok();
-  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, stream, launched);
-  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, stream, launched);
-  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, stream, launched);
+  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, rows, stream, launched);
+  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, rows, stream, launched);
+  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, rows, stream, launched);
   return Status::ok();
 }
 
@@ -159,6 +184,7 @@ KernelChoice choice_from_environment() {
     if (all || name == "moe_decode") c.moe_decode = false;
     if (all || name == "moe_mma") c.moe_mma = false;
     if (all || name == "moe_wgmma") c.moe_wgmma = false;
+    if (all || name == "rows") c.matvec_rows = false;
   }
   return c;
 }
@@ -301,7 +327,12 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   // column's sums do not depend on the columns beside it, mmq_kernel.cuh), one row included;
   // else the general dp4a kernel (invariant_slices).
   const bool invariant = choice.batch_invariant;
-  const bool mma = (rows >= 2 || invariant) && choice.matvec_mma && mma_matmul_applies(w, rows);
+  // 2..kRowKernelMaxRows rows (an MTP verify step, a few sequences): each row through the
+  // one-row arithmetic (the row kernels where one row takes them, else the general kernel),
+  // so a row's outputs are the bits it gets alone.
+  const bool few_rows = !invariant && choice.matvec_rows && rows >= 2 && rows <= kRowKernelMaxRows;
+  const bool row_arithmetic = rows == 1 || few_rows;
+  const bool mma = !few_rows && (rows >= 2 || invariant) && choice.matvec_mma && mma_matmul_applies(w, rows);
   if (rows < 1 || (rows > kMatvecMaxRows && !mma && !(invariant && rows <= kMmaMaxRows)))
     return Status::error("matvec: " + std::to_string(rows) + " activation rows of " + name + ", supported 1.." +
                          std::to_string(kMatvecMaxRows) + " (up to " + std::to_string(kMmaMaxRows) +
@@ -330,11 +361,11 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   if (w.shared_x && w.batch > 1) {
     // One launch of the row kernel for every matrix (it quantises x once per block, whatever
     // the task); where it does not apply, each matrix on its own.
-    if (rows == 1 && !invariant && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    if (row_arithmetic && !invariant && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
       a.act.f = x;
       a.shared_act = true;
       bool launched = false;
-      DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
+      DSV4_TRY(launch_one_row(w.type, a, rows, choice, stream, launched));
       if (launched) return Status::ok();
     }
     for (int64_t b = 0; b < w.batch; ++b) {
@@ -358,11 +389,11 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
     return launch_rows<detail::Bf16Policy>(a, rows, stream);
   }
   if (mma) return mma_matmul(w, x, rows, y, workspace, workspace_bytes, stream);
-  // One row of one matrix: the row kernel quantises x itself when it applies.
-  if (!invariant && rows == 1 && w.batch == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+  // Rows of one matrix: the row kernel quantises x itself when it applies.
+  if (!invariant && row_arithmetic && w.batch == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     a.act.f = x;
     bool launched = false;
-    DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
+    DSV4_TRY(launch_one_row(w.type, a, rows, choice, stream, launched));
     if (launched) return Status::ok();
     a.act.f = nullptr;
   }
@@ -376,9 +407,9 @@ Status matvec(const MatvecWeights& w, const float* x, int rows, float* y, void* 
   a.act.unit_weights = q.layout.unit_weights;
   a.act.lanes = q.layout.lanes;
   if (invariant) return invariant_slices(w, a, rows, y, stream);
-  if (rows == 1) {
+  if (row_arithmetic) {
     bool launched = false;
-    DSV4_TRY(launch_one_row(w.type, a, choice, stream, launched));
+    DSV4_TRY(launch_one_row(w.type, a, rows, choice, stream, launched));
     if (launched) return Status::ok();
   }
   return launch_general(w.type, a, rows, stream);

@@ -45,6 +45,13 @@ struct MatvecWeights {
 // Rows every type takes; up to 64 (kMmaMaxRows, mmq.h) where mma_matmul_applies.
 inline constexpr int kMatvecMaxRows = 16;
 
+// Up to this many activation rows, a product gives each row the bits of the same product of
+// that row alone (KernelChoice::matvec_rows, on by default): the one-row kernels run each row
+// over the weights staged once. Steps this small (a few sequences' decode, one sequence's MTP
+// verify of up to 4 drafts, or 2 sequences' of up to 3) are row-local in attention too
+// (attention_ops.cu), so a verify row's logits are bit for bit its decode step's.
+inline constexpr int kRowKernelMaxRows = 8;
+
 // Which kernels the products use: the newer ones by default, each of which can be switched
 // back to the path it replaced (for same-run comparisons, and as a way back should one
 // misbehave). Process-wide; set before capturing CUDA graphs (a captured graph keeps the
@@ -57,6 +64,9 @@ struct KernelChoice {
   bool moe_decode = true;        // "moe_decode": 1-2 tokens through moe_decode.cu's two fused kernels
   bool moe_mma = true;           // "moe_mma": expert tiles of more tokens on the int8 tensor cores
   bool moe_wgmma = true;         // "moe_wgmma": prefill-size expert batches on wgmma (moe_wgmma.h)
+  // "rows": 2..kRowKernelMaxRows rows with the one-row arithmetic, so that a row's outputs are
+  // the bits it gets alone (else the tensor-core kernels, whose sums run in another order).
+  bool matvec_rows = true;
   // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or
   // CudaBackendOptions::batch_invariant). Every product of 1-64 activation rows runs a kernel
   // whose per-row arithmetic does not depend on the rows beside it: the int8 tensor-core

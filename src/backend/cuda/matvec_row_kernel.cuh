@@ -434,6 +434,65 @@ inline int row_quant_smem_bytes(int64_t k, int unit_weights, int lanes) {
   return static_cast<int>((padded + 15) / 16 * 16 + padded / 32 * 4);
 }
 
+// Bytes of one row's quantised activations in shared memory: its values, then its scales
+// (quantize_row_to_shared's layout), rounded up to 16 so that rows can follow one another.
+__host__ __device__ inline int64_t row_quant_smem_stride(int64_t padded_k) {
+  return ((padded_k + 15) / 16 * 16 + padded_k / 32 * 4 + 15) / 16 * 16;
+}
+
+// The products of one staged group of `rows` weight rows with one activation row (x: this
+// lane's units of it) into out[0, rows): each output is its lane group's units summed in
+// order, then the group's shuffle tree. Both row kernels below run exactly this, so an
+// output's bits do not depend on how many activation rows share a launch.
+template <GgmlType T, int S>
+__device__ __forceinline__ void group_row_products(const MatvecArgs& a, const uint8_t* rows_at, int rows,
+                                                   const typename RowUnit<T>::Act (&x)[S], int slot,
+                                                   int rows_per_pass, int lane_row, float* out) {
+  using U = RowUnit<T>;
+  const int L = a.lanes_per_row;
+  // Two rows per pass of the lane groups, without a branch between them, so their loads,
+  // products and shuffle sums interleave; the rows left over take single passes.
+  const int pair_rows = 2 * rows_per_pass;
+  int rr0 = 0;
+  for (; rr0 + pair_rows <= rows; rr0 += pair_rows) {
+    const uint8_t* row0 = rows_at + static_cast<int64_t>(rr0 + lane_row) * a.row_bytes;
+    const uint8_t* row1 = row0 + static_cast<int64_t>(rows_per_pass) * a.row_bytes;
+    float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+    for (int t = 0; t < S; ++t) {
+      const int unit = t * L + slot;
+      if (unit < a.units_per_row) {
+        acc0 += U::dot(row0, unit, x[t]);
+        acc1 += U::dot(row1, unit, x[t]);
+      }
+    }
+#pragma unroll 1
+    for (int o = L >> 1; o > 0; o >>= 1) {  // within the lane group
+      acc0 += __shfl_xor_sync(0xFFFFFFFFu, acc0, o);
+      acc1 += __shfl_xor_sync(0xFFFFFFFFu, acc1, o);
+    }
+    if (slot == 0) {
+      out[rr0 + lane_row] = acc0;
+      out[rr0 + rows_per_pass + lane_row] = acc1;
+    }
+  }
+  for (; rr0 < rows; rr0 += rows_per_pass) {
+    const int rr = rr0 + lane_row;
+    float acc = 0.0f;
+    if (rr < rows) {
+      const uint8_t* row = rows_at + static_cast<int64_t>(rr) * a.row_bytes;
+#pragma unroll
+      for (int t = 0; t < S; ++t) {
+        const int unit = t * L + slot;
+        if (unit < a.units_per_row) acc += U::dot(row, unit, x[t]);
+      }
+    }
+#pragma unroll 1
+    for (int o = L >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, o);
+    if (rr < rows && slot == 0) out[rr] = acc;
+  }
+}
+
 // kPlain with one activation row per matrix (quantised by activation_quant.h, or by the block
 // itself when act_smem_bytes > 0); S >= the units per lane (units_per_row / L, rounded up).
 template <GgmlType T, int S>
@@ -483,46 +542,74 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
     const uint8_t* src = source_rows<MatvecMode::kPlain>(a, task, 0, r0);
     const uint8_t* rows_at = stage + (reinterpret_cast<uintptr_t>(src) & 15);
     const int rows = static_cast<int>(min(static_cast<int64_t>(a.rows_per_group), a.n - r0));
-    // Two rows per pass of the lane groups, without a branch between them, so their loads,
-    // products and shuffle sums interleave; the rows left over take single passes.
-    const int pair_rows = 2 * rows_per_pass;
-    int rr0 = 0;
-    for (; rr0 + pair_rows <= rows; rr0 += pair_rows) {
-      const uint8_t* row0 = rows_at + static_cast<int64_t>(rr0 + lane_row) * a.row_bytes;
-      const uint8_t* row1 = row0 + static_cast<int64_t>(rows_per_pass) * a.row_bytes;
-      float acc0 = 0.0f, acc1 = 0.0f;
+    group_row_products<T, S>(a, rows_at, rows, x, slot, rows_per_pass, lane_row, a.out + task * a.n + r0);
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+}
+
+// kPlain with a.act_rows (2..kRowKernelMaxRows, matvec.h) activation rows per matrix: the
+// one-row kernel's products for each row in turn over the same staged weights, so every row
+// gets the bits matvec_row_kernel gives it alone (a decode step and an MTP verify step agree
+// bit for bit). Activation row r of task b is row b * act_rows + r (shared_act: r for every
+// task), its outputs row b * act_rows + r of out. The activations are not kept in registers
+// across groups (a row's slice costs as many as the one-row kernel holds): each group reloads
+// them, from shared memory when the block quantised the rows itself (act_smem_bytes > 0: one
+// task, or shared_act; row_quant_smem_stride bytes a row), else from the quantised rows in L1.
+template <GgmlType T, int S>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const MatvecArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  using U = RowUnit<T>;
+  allow_next_kernel();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint8_t* ring = smem + static_cast<int64_t>(warp) * kStages * a.stage_bytes;
+  const int64_t total = a.n_tasks * a.row_blocks;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
 #pragma unroll
-      for (int t = 0; t < S; ++t) {
-        const int unit = t * L + slot;
-        if (unit < a.units_per_row) {
-          acc0 += U::dot(row0, unit, x[t]);
-          acc1 += U::dot(row1, unit, x[t]);
-        }
-      }
-#pragma unroll 1
-      for (int o = L >> 1; o > 0; o >>= 1) {  // within the lane group
-        acc0 += __shfl_xor_sync(0xFFFFFFFFu, acc0, o);
-        acc1 += __shfl_xor_sync(0xFFFFFFFFu, acc1, o);
-      }
-      if (slot == 0) {
-        a.out[task * a.n + r0 + rr0 + lane_row] = acc0;
-        a.out[task * a.n + r0 + rr0 + rows_per_pass + lane_row] = acc1;
-      }
+  for (int s = 0; s < kStages - 1; ++s)
+    issue_group<MatvecMode::kPlain>(a, first + s * stride, total, ring + s * a.stage_bytes, lane);
+  wait_for_previous_kernel();
+
+  const int L = a.lanes_per_row;
+  const int slot = lane & (L - 1);
+  const int log2_lanes = __ffs(L) - 1;
+  const int rows_per_pass = 32 >> log2_lanes, lane_row = lane >> log2_lanes;
+  uint8_t* act_smem = smem + static_cast<int64_t>(kWarpsPerBlock) * kStages * a.stage_bytes;
+  const int64_t padded_k = static_cast<int64_t>((a.units_per_row + L - 1) / L) * L * 32 * U::kSub;
+  const int64_t act_stride = row_quant_smem_stride(padded_k);
+  const int64_t scales_at = (padded_k + 15) / 16 * 16;
+  if (a.act_smem_bytes > 0) {
+    for (int r = 0; r < a.act_rows; ++r) {
+      int8_t* q = reinterpret_cast<int8_t*>(act_smem + r * act_stride);
+      quantize_row_to_shared<U::kSub>(a.act.f + r * a.act.k, a.act.k, L, q, reinterpret_cast<float*>(q + scales_at));
     }
-    for (; rr0 < rows; rr0 += rows_per_pass) {
-      const int rr = rr0 + lane_row;
-      float acc = 0.0f;
-      if (rr < rows) {
-        const uint8_t* row = rows_at + static_cast<int64_t>(rr) * a.row_bytes;
-#pragma unroll
-        for (int t = 0; t < S; ++t) {
-          const int unit = t * L + slot;
-          if (unit < a.units_per_row) acc += U::dot(row, unit, x[t]);
-        }
-      }
+    __syncthreads();
+  }
+  for (int64_t it = 0;; ++it) {
+    const int64_t g = first + it * stride;
+    if (g >= total) break;
+    issue_group<MatvecMode::kPlain>(a, g + (kStages - 1) * stride, total,
+                                    ring + ((it + kStages - 1) % kStages) * a.stage_bytes, lane);
+    int64_t task, r0;
+    split_group(a, g, task, r0);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const uint8_t* stage = ring + (it % kStages) * a.stage_bytes;
+    const uint8_t* src = source_rows<MatvecMode::kPlain>(a, task, 0, r0);
+    const uint8_t* rows_at = stage + (reinterpret_cast<uintptr_t>(src) & 15);
+    const int rows = static_cast<int>(min(static_cast<int64_t>(a.rows_per_group), a.n - r0));
 #pragma unroll 1
-      for (int o = L >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, o);
-      if (rr < rows && slot == 0) a.out[task * a.n + r0 + rr] = acc;
+    for (int r = 0; r < a.act_rows; ++r) {
+      typename U::Act x[S];
+      if (a.act_smem_bytes > 0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(act_smem + r * act_stride);
+        load_unit_activations<U, S>(q, reinterpret_cast<const float*>(q + scales_at), L, slot, a.units_per_row, x);
+      } else {
+        load_row_activations<T, S>(a.act, a.shared_act ? r : task * a.act_rows + r, slot, a.units_per_row, x);
+      }
+      group_row_products<T, S>(a, rows_at, rows, x, slot, rows_per_pass, lane_row,
+                               a.out + (task * a.act_rows + r) * a.n + r0);
     }
     __syncwarp();
   }
