@@ -460,14 +460,23 @@ if has flash || has serve || has spec; then
         --batches 16 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec.json"
       grep -a '^TABLE|' "$work/dsv4_spec.log" | cut -d'|' -f3-6
     fi
-    # DSV4_GPU_SPEC_LEGACY_ROWS=1: the same with 2-8-row steps on the kernels before the
-    # row-local ones (DSV4_CUDA_LEGACY=rows: tensor-core products, occupancy-planned attention
-    # splits), beside the figures above.
-    if [ "${DSV4_GPU_SPEC_LEGACY_ROWS:-0}" = 1 ]; then
-      step dsv4_spec_legacy_rows 150 env DSV4_CUDA_LEGACY=rows "$bin/dsv4" bench -m "$flash" --backend cuda \
-        --label "flash$layers-legacy-rows" --parts spec --batches 16 --batch-depth 4096 --steps 8 --repeats 3 \
-        --json "$work/dsv4_spec_legacy_rows.json"
-      grep -a '^TABLE|' "$work/dsv4_spec_legacy_rows.log" | cut -d'|' -f3-6
+    # DSV4_GPU_LEGACY_AB="rows,grouped" (names of DSV4_CUDA_LEGACY, matvec.h): the same, and
+    # decode and aggregate at 4K, with those kernels switched back (rows: 2-8-row steps on the
+    # tensor-core products and occupancy-planned attention splits; grouped: a product per group
+    # of wo_a), beside the figures above: what they change, in the same call.
+    if [ -n "${DSV4_GPU_LEGACY_AB:-}" ]; then
+      step dsv4_spec_legacy 150 env DSV4_CUDA_LEGACY="$DSV4_GPU_LEGACY_AB" "$bin/dsv4" bench -m "$flash" --backend cuda \
+        --label "flash$layers-legacy-$DSV4_GPU_LEGACY_AB" --parts spec --batches 16 --batch-depth 4096 --steps 8 --repeats 3 \
+        --json "$work/dsv4_spec_legacy.json"
+      grep -a '^TABLE|' "$work/dsv4_spec_legacy.log" | cut -d'|' -f3-6
+      for run in current legacy; do
+        legacy_env=()
+        [ $run = legacy ] && legacy_env=(DSV4_CUDA_LEGACY="$DSV4_GPU_LEGACY_AB")
+        step "dsv4_ab_$run" 120 env "${legacy_env[@]}" "$bin/dsv4" bench -m "$flash" --backend cuda \
+          --label "flash$layers-$run" --parts decode,aggregate --depths 4096 --batches 4,16,64 --batch-depth 4096 \
+          --steps 16 --repeats 3
+        grep -a '^TABLE|' "$work/dsv4_ab_$run.log" | cut -d'|' -f3-6
+      done
     fi
     # The batch-invariant kernels' cost (--batch-invariant: decode at 1, 16 and 64 sequences
     # and speculation's verify), against the default kernels' figures of the steps above.

@@ -185,6 +185,7 @@ Result<GenerateStats> Generator::generate_speculative(std::span<const int32_t> p
   DSV4_ASSIGN_OR_RETURN(seq_, model_.new_sequence(so));
   SpecOptions spec_options;
   spec_options.max_k = o.spec;
+  spec_options.measured_costs = true;  // adaptive k by this device's measured step times
   SpeculativeDecoder decoder(model_, spec_options);
   SpecSequence s;
   s.sequence = seq_.get();

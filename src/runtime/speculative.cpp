@@ -1,6 +1,7 @@
 #include "runtime/speculative.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "backend/sampling.h"
@@ -95,22 +96,44 @@ SpeculativeDecoder::SpeculativeDecoder(const Model& model, SpecOptions options)
   options_.max_k = std::clamp(options_.max_k, 1, 4);
 }
 
-int SpeculativeDecoder::choose_k(const SpecSequence& s) const {
+double SpeculativeDecoder::measured_ratio(size_t batch, int k) const {
+  const auto plain = step_times_.find({batch, 0}), drafted = step_times_.find({batch, k});
+  if (plain == step_times_.end() || drafted == step_times_.end() || plain->second.seen < 3 ||
+      drafted->second.seen < 3 || plain->second.ms <= 0)
+    return 0;
+  return drafted->second.ms / plain->second.ms;
+}
+
+void SpeculativeDecoder::record_step(size_t batch, int k, double ms) const {
+  StepTime& t = step_times_[{batch, k}];
+  ++t.seen;
+  if (t.seen == 3) t.ms = ms;
+  if (t.seen > 3) t.ms = 0.8 * t.ms + 0.2 * ms;
+}
+
+int SpeculativeDecoder::choose_k(const SpecSequence& s, size_t batch) const {
   if (!options_.adaptive) return options_.max_k;
-  if (s.k == 0 && s.plain_steps < options_.probe_every) return 0;
-  if (s.k == 0) return 1;  // the probe
+  if (options_.measured_costs && s.stats.steps >= 4 && s.stats.steps % 32 < 3) {
+    const auto plain = step_times_.find({batch, 0});
+    if (plain == step_times_.end() || plain->second.seen < 3) return 0;  // measure a plain step
+  }
   const double a = std::clamp(s.acceptance_ema, 0.0, 1.0);
   int best = 0;
   double best_rate = 1.0;  // plain decoding: one token per unit of cost
   for (int k = 1; k <= options_.max_k; ++k) {
     const double tokens = a >= 1.0 ? k + 1.0 : (1.0 - std::pow(a, k + 1)) / (1.0 - a);
-    const double rate = tokens / (1.0 + options_.draft_cost * k);
+    const double measured = options_.measured_costs ? measured_ratio(batch, k) : 0.0;
+    const double rate = tokens / (measured > 0 ? measured : 1.0 + options_.draft_cost * k);
     if (rate > best_rate) {
       best_rate = rate;
       best = k;
     }
   }
-  return best;
+  if (best > 0) return best;
+  // Plain steps while the rates say so (the acceptance estimate does not move without
+  // drafts), then one draft to probe it again.
+  const int probe_after = options_.probe_every << std::min(s.failed_probes, 4);
+  return s.k == 0 && s.plain_steps >= probe_after ? 1 : 0;
 }
 
 Result<int32_t> SpeculativeDecoder::start(SpecSequence& s, std::span<const int32_t> prompt) const {
@@ -139,6 +162,7 @@ Result<int32_t> SpeculativeDecoder::start(SpecSequence& s, std::span<const int32
 Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector<std::vector<int32_t>>& emitted) const {
   const size_t n = seqs.size();
   if (n == 0) return Status::error("speculative decoding: an empty step");
+  const auto t0 = std::chrono::steady_clock::now();
   const ModelConfig& c = model_.config();
   const int64_t vocab = c.vocab_size, width = int64_t{c.hc_mult} * c.hidden;
   emitted.assign(n, {});
@@ -271,6 +295,7 @@ Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector
     for (int32_t t : emitted[i]) s.sampler.accept(t);
     s.pending = emitted[i].back();
 
+    if (k[i] > 0 && s.plain_steps > 0) s.failed_probes = a == 0 ? s.failed_probes + 1 : 0;  // a probe
     ++s.stats.steps;
     s.stats.drafted += k[i];
     s.stats.accepted += a;
@@ -288,7 +313,9 @@ Status SpeculativeDecoder::step(std::span<SpecSequence* const> seqs, std::vector
     ForwardOutput ignored;
     DSV4_TRY(model_.forward(replay, ignored));
   }
-  for (size_t i = 0; i < n; ++i) seqs[i]->k = choose_k(*seqs[i]);
+  if (options_.measured_costs && std::all_of(k.begin(), k.end(), [&](int x) { return x == k[0]; }))
+    record_step(n, k[0], std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  for (size_t i = 0; i < n; ++i) seqs[i]->k = choose_k(*seqs[i], n);
   return Status::ok();
 }
 

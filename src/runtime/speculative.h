@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -44,7 +45,16 @@ struct SpecOptions {
   // Adaptive k: the cost of one draft (its MTP pass and its verify row) relative to a plain
   // decode step; k maximises expected tokens per cost, (1 - a^(k+1)) / (1 - a) / (1 + c k).
   double draft_cost = 0.2;
-  int probe_every = 16;   // a sequence at k = 0 drafts again after this many plain steps
+  // A sequence at k = 0 drafts again after this many plain steps, doubled after every probe
+  // none of whose drafts was accepted (up to 16x), back to it after one that was.
+  int probe_every = 16;
+  // Adaptive k prices a step of k drafts by its measured time against a plain step's
+  // (speculative steps of the same batch size whose sequences all drafted k, host clock, the
+  // first two of each kind left out: they record graphs), instead of 1 + draft_cost k, once
+  // both are measured; while no plain step of the batch size has been, three in a row are
+  // taken every 32 steps to measure one. Off by default: the k chosen then depends on timings
+  // (tests stay deterministic); dsv4 run and chat turn it on.
+  bool measured_costs = false;
   // Test and benchmark mode: the draft of position `position` is this function's token
   // instead of the MTP block's (e.g. the target's own greedy tokens: acceptance 100%).
   // Greedy only (a forced draft has no draft distribution).
@@ -79,6 +89,7 @@ struct SpecSequence {
   int k = 0;                  // drafts of the next step (adaptive)
   double acceptance_ema = 0;  // running acceptance rate
   int plain_steps = 0;        // consecutive steps at k = 0
+  int failed_probes = 0;      // probes in a row with no draft accepted (SpecOptions::probe_every)
   // MTP pairs not yet fed: trunk final streams at positions mtp_position().. and the
   // token after each; the last pair is (streams at position - 1, pending).
   std::vector<float> mtp_streams;
@@ -110,9 +121,18 @@ class SpeculativeDecoder {
   const SpecOptions& options() const { return options_; }
 
  private:
-  int choose_k(const SpecSequence& s) const;
+  int choose_k(const SpecSequence& s, size_t batch) const;
+  // The measured time of a step of `batch` sequences at k drafts each over a plain one's,
+  // 0 while either is unmeasured (SpecOptions::measured_costs).
+  double measured_ratio(size_t batch, int k) const;
+  void record_step(size_t batch, int k, double ms) const;
   const Model& model_;
   SpecOptions options_;
+  struct StepTime {
+    int seen = 0;
+    double ms = 0;  // running mean of the steps after the first two
+  };
+  mutable std::map<std::pair<size_t, int>, StepTime> step_times_;  // (batch, k)
 };
 
 }  // namespace dsv4::runtime

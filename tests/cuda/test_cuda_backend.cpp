@@ -437,13 +437,15 @@ TEST_F(CudaMatmul, ExactIsBatchInvariant) {
   }
 }
 
-// matmul_grouped (the output projection's wo_a): one activation row goes through one batched
-// matvec call, which must give the bits of the per-group calls it replaces (and of the
-// base class's loop for more rows), with the inputs and outputs column slices of wider rows.
+// matmul_grouped (the output projection's wo_a): up to 64 activation rows go through one
+// batched matvec call (from 2 rows through group-major copies: the row kernels to 8 rows, the
+// general kernel to 16, the tensor-core kernels to 64), which must give the bits of the
+// per-group calls it replaces (and of the base class's loop where it does not apply), with
+// the inputs and outputs column slices of wider rows.
 TEST_F(CudaMatmul, GroupedProductIsItsGroupsBitForBit) {
   for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q6_K, GgmlType::MXFP4,
                         GgmlType::BF16, GgmlType::Q4_0}) {
-    for (int64_t m : {1, 3}) {
+    for (int64_t m : {1, 3, 8, 13, 24}) {
       const uint64_t seed = seed_for(900 + static_cast<uint64_t>(type) * 10 + m);
       std::mt19937_64 rng(seed);
       const int64_t groups = 4, n = 40, k = 512;

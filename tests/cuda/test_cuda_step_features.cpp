@@ -355,12 +355,12 @@ TEST_F(CudaStepFeatures, SteeringAndGraftsMatchTheCpu) {
 // one-row steps), for k = 1, 3, 4 and adaptive k, one sequence and three in a step, over 48
 // tokens (the window of 8 wraps, compression blocks of 4 and 16 close many times):
 //   exact mode      every case (each row's result does not depend on the rows beside it);
-//   quantised mode  the cases whose verify steps have at most 16 rows (this model is Q8_0,
-//                   whose one-row and multi-row products agree). Above 16 tokens the
-//                   routed experts leave the fused decode kernel for the tensor-core tiles,
-//                   whose sums run in another order, so a near-tie can flip, as it can
-//                   between plain decoding at batch 4 and at batch 20 (docs/CUDA.md); those
-//                   cases print where they first differ and are not asserted;
+//   quantised mode  the cases whose verify steps have at most 8 rows (kRowKernelMaxRows:
+//                   row-local by construction, as the plain steps of 4 rows are). Wider
+//                   verify steps run the tensor-core products, whose sums run in another
+//                   order than the row kernels', so a near-tie can flip, as it can between
+//                   plain decoding at batch 4 and at batch 20 (docs/CUDA.md); those cases
+//                   print where they first differ and are not asserted;
 //   quantised, batch-invariant kernels (KernelChoice::batch_invariant)  every case.
 TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
   struct Mode {
@@ -432,7 +432,7 @@ TEST_F(CudaStepFeatures, SpeculativeGreedyMatchesPlainGreedy) {
         }
         // Rows of the widest verify step: the bucket of sequences times k + 1.
         const int bucket = n_seqs == 1 ? 1 : 4, widest = bucket * ((k ? k : 4) + 1);
-        const bool asserted = mode == backend::MatmulMode::Exact || mm.invariant || widest <= 16;
+        const bool asserted = mode == backend::MatmulMode::Exact || mm.invariant || widest <= cuda::kRowKernelMaxRows;
         for (int s = 0; s < n_seqs; ++s) {
           got[s].resize(kTokens);
           if (asserted) {

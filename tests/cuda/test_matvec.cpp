@@ -237,7 +237,7 @@ TEST_P(MatvecTest, FewRowsAreEachRowAlone) {
   const int64_t block = ggml_traits(type).block_elems;
   constexpr int64_t kN = 45;
   for (const int64_t k : {block == 256 ? int64_t{768} : int64_t{224}, int64_t{1024}, int64_t{4096}, int64_t{8192}}) {
-    const size_t matrix = row_bytes(type, k) * kN;
+    const size_t matrix = (row_bytes(type, k) * kN + 15) / 16 * 16;  // each matrix 16-byte aligned, to run alone
     std::vector<uint8_t> w(3 * matrix);
     for (int b = 0; b < 3; ++b) {
       const auto m = random_weights(type, kN, k, rng);

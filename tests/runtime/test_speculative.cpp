@@ -438,6 +438,31 @@ TEST_F(Speculative, AdaptiveKStopsDraftingWhenDraftsFail) {
   EXPECT_EQ(greedy_speculative(prompt, 60, never, &stats), want);
   EXPECT_EQ(stats.accepted, 0);
   EXPECT_LT(stats.drafted, stats.steps);  // most steps drafted nothing
+  // With the steps' measured costs (as dsv4 run speculates): the same tokens, and the failing
+  // probes back off, so drafting stops sooner still. (Which k a step takes depends on the
+  // timings here; nothing asserted depends on them: the acceptance estimate alone takes k to 0
+  // within a few steps, and measured costs can only lower k.)
+  SpecStats measured;
+  SpecOptions timed = never;
+  timed.measured_costs = true;
+  EXPECT_EQ(greedy_speculative(prompt, 60, timed, &measured), want);
+  EXPECT_EQ(measured.accepted, 0);
+  EXPECT_LT(2 * measured.drafted, measured.steps);
+}
+
+// Drafts that always agree keep adaptive k drafting with measured costs too (each step
+// emits more than one token), and the output is the target's.
+TEST_F(Speculative, MeasuredCostsKeepDraftingWhenDraftsAgree) {
+  const std::vector<int32_t> prompt = tokens(9, 12);
+  const int64_t L = static_cast<int64_t>(prompt.size());
+  const std::vector<int32_t> want = greedy_reference(prompt, 40);
+  SpecStats stats;
+  SpecOptions agree = fixed_k(2);
+  agree.adaptive = true;
+  agree.measured_costs = true;
+  agree.forced_draft = [&](int64_t pos) { return pos - L < 40 ? want.at(pos - L) : 0; };
+  EXPECT_EQ(greedy_speculative(prompt, 40, agree, &stats), want);
+  EXPECT_GT(stats.accepted, 0);
 }
 
 double chi_square(const std::map<int32_t, int>& counts, const std::vector<double>& p, int n) {

@@ -504,9 +504,13 @@ class Bench {
     DSV4_TRY(speculative("forced ~50% k=3", half));
     half.max_k = 1;
     DSV4_TRY(speculative("forced ~50% k=1", half));
-    runtime::SpecOptions own;
+    runtime::SpecOptions own;  // as dsv4 run speculates
     own.max_k = 3;
+    own.measured_costs = true;
     DSV4_TRY(speculative("MTP drafts adaptive k<=3", own));
+    agree.adaptive = true;  // drafts that always agree: adaptive k must keep drafting where it pays
+    agree.measured_costs = true;
+    DSV4_TRY(speculative("forced 100% adaptive k<=3", agree));
     results.push_back(Json{{"kind", "spec_end_to_end"}, {"prompt", kPrompt}, {"tokens", kTokens - 1},
                            {"plain_tokens_per_second", plain_tps}, {"runs", runs}});
     return Status::ok();

@@ -148,6 +148,7 @@ int run_serve(ServeOptions& o) {
   if (o.spec > 0) {
     runtime::SpecOptions spec;
     spec.max_k = o.spec;
+    spec.measured_costs = true;  // adaptive k by the steps' measured times at each batch size
     so.speculative = spec;
   }
   if (!o.kv_persist.empty()) {

@@ -104,6 +104,20 @@ __global__ void fill_kernel(Mat<T> t, T value) {
   DSV4_ROW_TILE(r, c, t.rows, t.cols) t.row(r)[c] = value;
 }
 
+// Rows of `groups` consecutive blocks of `width` floats (x: [rows][groups * width], rows ld
+// apart) to group-major [groups][rows][width] (to_groups), or back: the layout a batched
+// product of grouped weights takes (CudaBackend::matmul_grouped). One block per (row, group),
+// float4s (width, ld and both pointers 16-byte aligned).
+__global__ void regroup_kernel(const float* __restrict__ src, float* __restrict__ dst, int64_t rows, int64_t groups,
+                               int64_t width, int64_t ld, bool to_groups) {
+  ::dsv4::cuda::dependent_kernel_prologue();
+  const int64_t r = blockIdx.x / groups, g = blockIdx.x % groups;
+  const int64_t strided = r * ld + g * width, packed = (g * rows + r) * width;
+  const float4* from = reinterpret_cast<const float4*>(src + (to_groups ? strided : packed));
+  float4* to = reinterpret_cast<float4*>(dst + (to_groups ? packed : strided));
+  for (int64_t i = threadIdx.x; i < width / 4; i += blockDim.x) to[i] = from[i];
+}
+
 // ---- dense kernels --------------------------------------------------------------------------
 
 template <GgmlType T>
@@ -1416,10 +1430,13 @@ Status CudaBackend::matmul_many(std::span<const Tensor* const> ws, const Tensor&
   return cuda::float32_rows_matmul_many(ws[0]->type, ms, xv.cols, xv.p, xv.ld, xv.rows, impl_->stream);
 }
 
-// One activation row (decode): the groups are a batch of matrices for one matvec call, x's
-// groups its consecutive inputs and y's its consecutive outputs; the same kernel per group
-// as separate calls (the row kernel, its activations quantised by one launch for all groups
-// instead of inside it: the same Q8 blocks), so the same bits. Else the base class's loop.
+// The groups are a batch of matrices for one matvec call, x's groups its consecutive inputs and y's its consecutive outputs; the same kernel per group
+// as separate calls (the row kernels, their activations quantised by one launch for all
+// groups instead of inside them: the same Q8 blocks; the tensor-core kernels, whose columns
+// do not depend on the batch), so the same bits. One row reads x and writes y in place; 2-64
+// rows go through group-major copies (regroup_kernel), one product for every group instead
+// of one per group with its own activation quantisation (a verify step's or a batch's wo_a:
+// 8 groups). Else the base class's loop.
 Status CudaBackend::matmul_grouped(const Tensor& w, const Tensor& x, const Tensor& y, int64_t groups,
                                    MatmulMode mode) {
   const bool batchable = mode == MatmulMode::Quantized && groups > 1 && w.valid() && w.backend == this &&
@@ -1430,17 +1447,42 @@ Status CudaBackend::matmul_grouped(const Tensor& w, const Tensor& x, const Tenso
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "matmul_grouped", "x", -1, groups * k));
   DSV4_ASSIGN_OR_RETURN(const Mat<float> yv, cudaops::f32(y, this, "matmul_grouped", "y", xv.rows, groups * n));
   const auto row_bytes = ggml_row_bytes(w.type, static_cast<uint64_t>(k));
-  if (xv.rows != 1 || !row_bytes || w.row_stride() != static_cast<int64_t>(*row_bytes) ||
+  if (xv.rows < 1 || !row_bytes || w.row_stride() != static_cast<int64_t>(*row_bytes) ||
       reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || reinterpret_cast<uintptr_t>(xv.p) % 16 != 0)
     return Backend::matmul_grouped(w, x, y, groups, mode);
   Impl& m = *impl_;
+  const int rows = static_cast<int>(std::min<int64_t>(xv.rows, INT32_MAX));
   const cuda::MatvecWeights mw{w.type, w.data, n, k, groups, 0};
-  const size_t ws_bytes = cuda::matvec_workspace_bytes(mw, 1);
+  const size_t ws_bytes = cuda::matvec_workspace_bytes(mw, rows);
+  if (rows == 1) {
+    void* ws = nullptr;
+    if (ws_bytes) {
+      DSV4_ASSIGN_OR_RETURN(ws, m.scratch_bytes(ws_bytes));
+    }
+    return cuda::matvec(mw, xv.p, 1, yv.p, ws, ws_bytes, m.stream);
+  }
+  const cuda::KernelChoice choice = cuda::kernel_choice();
+  const bool takes = choice.grouped_batch &&
+                     (rows <= cuda::kMatvecMaxRows ||
+                      (rows <= cuda::kMmaMaxRows && choice.matvec_mma && cuda::mma_matmul_applies(mw, rows)));
+  if (!takes || k % 4 != 0 || n % 4 != 0 || xv.ld % 4 != 0 || yv.ld % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(yv.p) % 16 != 0)
+    return Backend::matmul_grouped(w, x, y, groups, mode);
+  DSV4_ASSIGN_OR_RETURN(void* xg_raw, m.scratch_bytes(static_cast<size_t>(groups * rows * k) * sizeof(float)));
+  DSV4_ASSIGN_OR_RETURN(void* yg_raw, m.scratch_bytes(static_cast<size_t>(groups * rows * n) * sizeof(float)));
   void* ws = nullptr;
   if (ws_bytes) {
     DSV4_ASSIGN_OR_RETURN(ws, m.scratch_bytes(ws_bytes));
   }
-  return cuda::matvec(mw, xv.p, 1, yv.p, ws, ws_bytes, m.stream);
+  auto* xg = static_cast<float*>(xg_raw);
+  auto* yg = static_cast<float*>(yg_raw);
+  const unsigned blocks = static_cast<unsigned>(groups * rows);
+  cuda::launch_dependent(regroup_kernel, blocks, 256, 0, m.stream, xv.p, xg, xv.rows, groups, k, xv.ld, true);
+  DSV4_CUDA_TRY_LAUNCH();
+  DSV4_TRY(cuda::matvec(mw, xg, rows, yg, ws, ws_bytes, m.stream));
+  cuda::launch_dependent(regroup_kernel, blocks, 256, 0, m.stream, yg, yv.p, xv.rows, groups, n, yv.ld, false);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
 }
 
 Status CudaBackend::get_rows(const Tensor& table, const Tensor& ids, const Tensor& y) {

@@ -185,6 +185,7 @@ KernelChoice choice_from_environment() {
     if (all || name == "moe_mma") c.moe_mma = false;
     if (all || name == "moe_wgmma") c.moe_wgmma = false;
     if (all || name == "rows") c.matvec_rows = false;
+    if (all || name == "grouped") c.grouped_batch = false;
   }
   return c;
 }

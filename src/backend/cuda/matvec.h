@@ -67,6 +67,9 @@ struct KernelChoice {
   // "rows": 2..kRowKernelMaxRows rows with the one-row arithmetic, so that a row's outputs are
   // the bits it gets alone (else the tensor-core kernels, whose sums run in another order).
   bool matvec_rows = true;
+  // "grouped": grouped products (CudaBackend::matmul_grouped, wo_a) of 2-64 rows as one
+  // batched product through group-major copies (else a product per group).
+  bool grouped_batch = true;
   // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or
   // CudaBackendOptions::batch_invariant). Every product of 1-64 activation rows runs a kernel
   // whose per-row arithmetic does not depend on the rows beside it: the int8 tensor-core
