@@ -21,6 +21,7 @@
 #pragma once
 
 #include "backend/cuda/activation_quant.h"
+#include "backend/cuda/matvec.h"
 #include "backend/cuda/matvec_kernel.cuh"
 #include "backend/cuda/q8_block.cuh"
 
@@ -94,7 +95,9 @@ struct RowUnit<GgmlType::Q8_0> {
   static constexpr int kAlign = 2;  // byte alignment the row must have
   using Act = UnitActivations<kSub, kSums>;
   __device__ static void prepare(Act&) {}
-  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+  // The unit's 32 weights as 8 words and its scale (dot's first half: the multi-row kernel
+  // reads them once for all its rows).
+  __device__ static void weights(const uint8_t* row, int unit, uint32_t (&q)[8], float& d) {
     const uint8_t* blk = row + 34 * unit;
     const int skew = static_cast<int>(reinterpret_cast<uintptr_t>(blk) & 3);  // 0 or 2
     const uint32_t* w = reinterpret_cast<const uint32_t*>(blk - skew);       // stays a shared address
@@ -103,13 +106,21 @@ struct RowUnit<GgmlType::Q8_0> {
     for (int i = 0; i < 9; ++i) v[i] = w[i];
     // qs start at byte 2 of the block: byte 2 of v[0] (skew 0) or v[1] itself (skew 2).
     const uint32_t sel = skew != 0 ? 0x7654u : 0x5432u;
-    uint32_t q[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) q[i] = word_at(v[i], v[i + 1], sel);
-    const float d = half_bits_to_float(skew != 0 ? v[0] >> 16 : v[0]);
+    d = half_bits_to_float(skew != 0 ? v[0] >> 16 : v[0]);
+  }
+  // dot's second half: the unit's product with one row's 32 activations (x0, x1) and scale.
+  __device__ static float product(const uint32_t (&q)[8], float d, int4 x0, int4 x1, float xd) {
     int hi;
-    const int lo = dot8(q, x.q[0], x.q[1], 0, 0, hi);
-    return d * x.d[0] * static_cast<float>(lo + hi);
+    const int lo = dot8(q, x0, x1, 0, 0, hi);
+    return d * xd * static_cast<float>(lo + hi);
+  }
+  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+    uint32_t q[8];
+    float d;
+    weights(row, unit, q, d);
+    return product(q, d, x.q[0], x.q[1], x.d[0]);
   }
 };
 
@@ -599,6 +610,55 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const 
     const uint8_t* src = source_rows<MatvecMode::kPlain>(a, task, 0, r0);
     const uint8_t* rows_at = stage + (reinterpret_cast<uintptr_t>(src) & 15);
     const int rows = static_cast<int>(min(static_cast<int64_t>(a.rows_per_group), a.n - r0));
+    if constexpr (T == GgmlType::Q8_0) {
+      // Each unit's weights read and permuted once, then multiplied with every row's
+      // activations (RowUnit<Q8_0>::dot split in two: the same operations, the same bits).
+      const int64_t row0 = a.shared_act ? 0 : task * a.act_rows;
+      const bool fused = a.act_smem_bytes > 0;
+      const int8_t* qb = fused ? reinterpret_cast<const int8_t*>(act_smem) : a.act.q + row0 * a.act.padded_k;
+      const uint8_t* db = fused ? act_smem + scales_at
+                                : reinterpret_cast<const uint8_t*>(a.act.d + row0 * (a.act.padded_k / 32));
+      const int64_t q_stride = fused ? act_stride : a.act.padded_k;
+      const int64_t d_stride = fused ? act_stride : a.act.padded_k / 32 * 4;
+      float* out = a.out + task * a.act_rows * a.n + r0;
+      for (int rr0 = 0; rr0 < rows; rr0 += rows_per_pass) {
+        const int rr = rr0 + lane_row;
+        float acc[kRowKernelMaxRows];
+#pragma unroll
+        for (int r = 0; r < kRowKernelMaxRows; ++r) acc[r] = 0.0f;
+        if (rr < rows) {
+          const uint8_t* row = rows_at + static_cast<int64_t>(rr) * a.row_bytes;
+#pragma unroll
+          for (int t = 0; t < S; ++t) {
+            const int unit = t * L + slot;
+            if (unit < a.units_per_row) {
+              uint32_t q[8];
+              float d;
+              U::weights(row, unit, q, d);
+#pragma unroll
+              for (int r = 0; r < kRowKernelMaxRows; ++r) {
+                if (r < a.act_rows) {
+                  const int4* xq = reinterpret_cast<const int4*>(qb + r * q_stride);
+                  const float* xd = reinterpret_cast<const float*>(db + r * d_stride);
+                  acc[r] += U::product(q, d, xq[(2 * t) * L + slot], xq[(2 * t + 1) * L + slot], xd[t * L + slot]);
+                }
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < kRowKernelMaxRows; ++r) {
+          if (r < a.act_rows) {
+            float v = acc[r];
+#pragma unroll 1
+            for (int o = L >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+            if (rr < rows && slot == 0) out[r * a.n + rr] = v;
+          }
+        }
+      }
+      __syncwarp();
+      continue;
+    }
 #pragma unroll 1
     for (int r = 0; r < a.act_rows; ++r) {
       typename U::Act x[S];
