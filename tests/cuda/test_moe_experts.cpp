@@ -29,6 +29,30 @@ struct TypePair {
 
 class MoeTest : public ::testing::TestWithParam<TypePair> {};
 
+// Random expert stacks (gate and up [experts * ffn][hidden], down [experts * hidden][ffn]),
+// drawn gate, up, down from rng; on the device as `w`, and decoded to f32 for a reference
+// when `decoded` (gate_f, up_f, down_f; empty otherwise).
+struct RandomExperts {
+  RandomExperts(TypePair types, int64_t experts, int64_t hidden, int64_t ffn, std::mt19937_64& rng,
+                bool decoded = true)
+      : gate(random_weights(types.gate_up, experts * ffn, hidden, rng)),
+        up(random_weights(types.gate_up, experts * ffn, hidden, rng)),
+        down(random_weights(types.down, experts * hidden, ffn, rng)),
+        d_gate(DeviceBuffer::from(gate)),
+        d_up(DeviceBuffer::from(up)),
+        d_down(DeviceBuffer::from(down)),
+        w{types.gate_up, d_gate.get(), d_up.get(), types.down, d_down.get(), experts, hidden, ffn} {
+    if (!decoded) return;
+    gate_f = dequantize(types.gate_up, gate.data(), experts * ffn, hidden);
+    up_f = dequantize(types.gate_up, up.data(), experts * ffn, hidden);
+    down_f = dequantize(types.down, down.data(), experts * hidden, ffn);
+  }
+  std::vector<uint8_t> gate, up, down;
+  DeviceBuffer d_gate, d_up, d_down;
+  ExpertWeights w;
+  std::vector<float> gate_f, up_f, down_f;
+};
+
 double silu(double v) { return v / (1.0 + std::exp(-v)); }
 
 // f(i) for i in [0, n) on every hardware thread (the references of the larger cases).
@@ -86,14 +110,9 @@ TEST_P(MoeTest, MatchesCpuReference) {
   SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
   const int64_t experts = 8, hidden = 1024, ffn = 512;
   const int top_k = 6;
-  const auto gate = random_weights(gu_type, experts * ffn, hidden, rng);
-  const auto up = random_weights(gu_type, experts * ffn, hidden, rng);
-  const auto down = random_weights(down_type, experts * hidden, ffn, rng);
-  const auto gate_f = dequantize(gu_type, gate.data(), experts * ffn, hidden);
-  const auto up_f = dequantize(gu_type, up.data(), experts * ffn, hidden);
-  const auto down_f = dequantize(down_type, down.data(), experts * hidden, ffn);
-  DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
-  const ExpertWeights w{gu_type, d_gate.get(), d_up.get(), down_type, d_down.get(), experts, hidden, ffn};
+  RandomExperts ex(TypePair{gu_type, down_type}, experts, hidden, ffn, rng);
+  const auto &gate_f = ex.gate_f, &up_f = ex.up_f, &down_f = ex.down_f;
+  const ExpertWeights& w = ex.w;
 
   // Activations scaled so that gate and up products reach past the clamp.
   auto product = [&](const std::vector<float>& m, int64_t e, int64_t i, const float* x, int64_t k) {
@@ -189,11 +208,9 @@ TEST(MoeDecode, FlashShapes) {
   for (const TypePair types : {TypePair{GgmlType::Q2_K, GgmlType::Q3_K}, TypePair{GgmlType::Q8_0, GgmlType::Q8_0},
                                TypePair{GgmlType::MXFP4, GgmlType::MXFP4}}) {
     SCOPED_TRACE(type_name(types.gate_up) + "/" + type_name(types.down));
-    const auto gate = random_weights(types.gate_up, experts * ffn, hidden, rng);
-    const auto up = random_weights(types.gate_up, experts * ffn, hidden, rng);
-    const auto down = random_weights(types.down, experts * hidden, ffn, rng);
-    DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
-    const ExpertWeights w{types.gate_up, d_gate.get(), d_up.get(), types.down, d_down.get(), experts, hidden, ffn};
+    RandomExperts ex(types, experts, hidden, ffn, rng, /*decoded=*/false);
+    const auto &gate = ex.gate, &up = ex.up, &down = ex.down;  // decoded row by row below
+    const ExpertWeights& w = ex.w;
     ASSERT_TRUE(detail::moe_decode_applies(w, 1, top_k));
     std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(hidden), rng, 0.05f);
     const std::vector<int32_t> ids = {3, 0, 6, 1, 5, 2};
@@ -252,14 +269,9 @@ TEST_P(MoeDecodeVariants, MatchDefaultBits) {
     const auto [experts, hidden, ffn, top_k, token_counts] = shape;
     SCOPED_TRACE("experts " + std::to_string(experts) + ", hidden " + std::to_string(hidden) + ", ffn " +
                  std::to_string(ffn) + ", top_k " + std::to_string(top_k));
-    const auto gate = random_weights(gu_type, experts * ffn, hidden, rng);
-    const auto up = random_weights(gu_type, experts * ffn, hidden, rng);
-    const auto down = random_weights(down_type, experts * hidden, ffn, rng);
-    const auto gate_f = dequantize(gu_type, gate.data(), experts * ffn, hidden);
-    const auto up_f = dequantize(gu_type, up.data(), experts * ffn, hidden);
-    const auto down_f = dequantize(down_type, down.data(), experts * hidden, ffn);
-    DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
-    const ExpertWeights w{gu_type, d_gate.get(), d_up.get(), down_type, d_down.get(), experts, hidden, ffn};
+    RandomExperts ex(TypePair{gu_type, down_type}, experts, hidden, ffn, rng);
+    const auto &gate_f = ex.gate_f, &up_f = ex.up_f, &down_f = ex.down_f;
+    const ExpertWeights& w = ex.w;
     for (const int64_t tokens : token_counts) {
       SCOPED_TRACE("tokens " + std::to_string(tokens));
       ASSERT_TRUE(detail::moe_decode_applies(w, tokens, top_k));
@@ -350,14 +362,9 @@ TEST(MoeWgmma, MatchesCpuReference) {
   for (const TypePair types : {TypePair{GgmlType::Q2_K, GgmlType::Q3_K}, TypePair{GgmlType::Q8_0, GgmlType::Q8_0},
                                TypePair{GgmlType::Q3_K, GgmlType::Q2_K}}) {
     SCOPED_TRACE(type_name(types.gate_up) + "/" + type_name(types.down));
-    const auto gate = random_weights(types.gate_up, experts * ffn, hidden, rng);
-    const auto up = random_weights(types.gate_up, experts * ffn, hidden, rng);
-    const auto down = random_weights(types.down, experts * hidden, ffn, rng);
-    const auto gate_f = dequantize(types.gate_up, gate.data(), experts * ffn, hidden);
-    const auto up_f = dequantize(types.gate_up, up.data(), experts * ffn, hidden);
-    const auto down_f = dequantize(types.down, down.data(), experts * hidden, ffn);
-    DeviceBuffer d_gate = DeviceBuffer::from(gate), d_up = DeviceBuffer::from(up), d_down = DeviceBuffer::from(down);
-    const ExpertWeights w{types.gate_up, d_gate.get(), d_up.get(), types.down, d_down.get(), experts, hidden, ffn};
+    RandomExperts ex(types, experts, hidden, ffn, rng);
+    const auto &gate_f = ex.gate_f, &up_f = ex.up_f, &down_f = ex.down_f;
+    const ExpertWeights& w = ex.w;
     for (const int64_t tokens : {30, 90, 200}) {  // 11, 34 and 75 pairs per expert on average
       SCOPED_TRACE("tokens " + std::to_string(tokens));
       ASSERT_TRUE(detail::moe_wgmma_applies(w, tokens * top_k));
