@@ -52,7 +52,8 @@ constexpr int64_t kRowsFusedQuantBytes = 64 * 1024;
 // so a row's kernel (and its bits) is the same alone and among others. Returns launched =
 // false when the general kernel has to run instead.
 template <GgmlType T>
-Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, bool& launched) {
+Status launch_row_kernel(const MatvecArgs& a, int rows, const KernelChoice& choice, cudaStream_t stream,
+                         bool& launched) {
   using Policy = detail::QuantPolicy<T>;
   constexpr int kAlign = detail::RowUnit<T>::kAlign;
   launched = false;
@@ -65,6 +66,10 @@ Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, boo
                        (T == GgmlType::Q8_0 && steps <= 8);
   if (!covered) return Status::ok();
   const int64_t tasks = a.n_tasks;
+  // Q2_K with two units per lane (k = 8192: one 2688-byte row per 4 KB group): two rows per
+  // group for the kernel's paired pass, at no cost in occupancy (registers allow 12 warps per
+  // multiprocessor either way). Q3_K's larger rows would lose a third of its warps.
+  const int64_t min_rows = T == GgmlType::Q2_K && steps == 2 ? 2 * (32 / lanes) : 1;
   // f32 activations (one matrix, or one x for all): the block quantises them itself.
   MatvecArgs fused = a;
   fused.act_rows = rows;
@@ -78,15 +83,24 @@ Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, boo
       if (bytes > kRowsFusedQuantBytes) return Status::ok();  // the caller quantises first
       fused.act_smem_bytes = static_cast<int>(bytes);
     }
+    // One matrix whose fused activations would leave the kernel one block (4 warps) per
+    // multiprocessor where it has two without them (Q8_0 rows of k = 8192, 8.7 KB stages): the
+    // caller quantises first and the kernel keeps its warps (one warp per scheduler cannot hide
+    // its shared-memory latencies). Fewer blocks of 3 and more are left fused: a launch of its
+    // own costs more. The same bits either way (quantize_row_to_shared stores what
+    // quantize_activations_q8 does).
+    if (tasks == 1 && !a.shared_act && choice.row_fuse_occupancy) {
+      const auto blocks = [&](int act_bytes) {
+        return detail::blocks_by_shared_memory(
+            detail::size_groups(a.row_bytes, 1, lanes, act_bytes, min_rows, a.n, Policy::kIq2).smem);
+      };
+      if (blocks(fused.act_smem_bytes) < 2 && blocks(0) >= 2) return Status::ok();
+    }
   }
   const MatvecArgs& b = fused;
   launched = true;
   if (steps <= 1) return launch_row_variant<T, 1>(b, rows, tasks, stream);
-  // Q2_K with two units per lane (k = 8192: one 2688-byte row per 4 KB group): two rows per
-  // group for the kernel's paired pass, at no cost in occupancy (registers allow 12 warps per
-  // multiprocessor either way). Q3_K's larger rows would lose a third of its warps.
-  const int64_t pair_rows = T == GgmlType::Q2_K ? 2 * (32 / lanes) : 1;
-  if (steps <= 2) return launch_row_variant<T, 2>(b, rows, tasks, stream, pair_rows);
+  if (steps <= 2) return launch_row_variant<T, 2>(b, rows, tasks, stream, min_rows);
   if constexpr (T == GgmlType::Q8_0 || T == GgmlType::Q4_K) {
     if (steps <= 4) return launch_row_variant<T, 4>(b, rows, tasks, stream);
   }
@@ -101,13 +115,13 @@ Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, boo
 Status launch_one_row(GgmlType type, const MatvecArgs& a, int rows, const KernelChoice& choice, cudaStream_t stream,
                       bool& launched) {
   launched = false;
-  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, rows, stream, launched);
-  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, rows, stream, launched);
-  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, rows, stream, launched);
+  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, rows, choice, stream, launched);
+  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, rows, choice, stream, launched);
+  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, rows, choice, stream, launched);
   if (!choice.matvec_row_extra) return Status::ok();
-  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, rows, stream, launched);
-  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, rows, stream, launched);
-  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, rows, stream, launched);
+  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, rows, choice, stream, launched);
+  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, rows, choice, stream, launched);
+  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, rows, choice, stream, launched);
   return Status::ok();
 }
 
@@ -186,6 +200,7 @@ KernelChoice choice_from_environment() {
     if (all || name == "moe_wgmma") c.moe_wgmma = false;
     if (all || name == "rows") c.matvec_rows = false;
     if (all || name == "grouped") c.grouped_batch = false;
+    if (all || name == "fuse") c.row_fuse_occupancy = false;
   }
   return c;
 }

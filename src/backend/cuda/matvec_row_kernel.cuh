@@ -95,32 +95,35 @@ struct RowUnit<GgmlType::Q8_0> {
   static constexpr int kAlign = 2;  // byte alignment the row must have
   using Act = UnitActivations<kSub, kSums>;
   __device__ static void prepare(Act&) {}
-  // The unit's 32 weights as 8 words and its scale (dot's first half: the multi-row kernel
-  // reads them once for all its rows).
-  __device__ static void weights(const uint8_t* row, int unit, uint32_t (&q)[8], float& d) {
+  // dot in two halves, so that the multi-row kernel reads and permutes a unit's weights once
+  // for all its rows: weights() gives the unit's 32 weights as 8 words and its scale,
+  // product() multiplies them with one row's prepared activations.
+  struct Weights {
+    uint32_t q[8];
+    float d;
+  };
+  __device__ static void weights(const uint8_t* row, int unit, Weights& w) {
     const uint8_t* blk = row + 34 * unit;
     const int skew = static_cast<int>(reinterpret_cast<uintptr_t>(blk) & 3);  // 0 or 2
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(blk - skew);       // stays a shared address
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(blk - skew);       // stays a shared address
     uint32_t v[9];
 #pragma unroll
-    for (int i = 0; i < 9; ++i) v[i] = w[i];
+    for (int i = 0; i < 9; ++i) v[i] = p[i];
     // qs start at byte 2 of the block: byte 2 of v[0] (skew 0) or v[1] itself (skew 2).
     const uint32_t sel = skew != 0 ? 0x7654u : 0x5432u;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = word_at(v[i], v[i + 1], sel);
-    d = half_bits_to_float(skew != 0 ? v[0] >> 16 : v[0]);
+    for (int i = 0; i < 8; ++i) w.q[i] = word_at(v[i], v[i + 1], sel);
+    w.d = half_bits_to_float(skew != 0 ? v[0] >> 16 : v[0]);
   }
-  // dot's second half: the unit's product with one row's 32 activations (x0, x1) and scale.
-  __device__ static float product(const uint32_t (&q)[8], float d, int4 x0, int4 x1, float xd) {
+  __device__ static float product(const Weights& w, const Act& x) {
     int hi;
-    const int lo = dot8(q, x0, x1, 0, 0, hi);
-    return d * xd * static_cast<float>(lo + hi);
+    const int lo = dot8(w.q, x.q[0], x.q[1], 0, 0, hi);
+    return w.d * x.d[0] * static_cast<float>(lo + hi);
   }
   __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
-    uint32_t q[8];
-    float d;
-    weights(row, unit, q, d);
-    return product(q, d, x.q[0], x.q[1], x.d[0]);
+    Weights w;
+    weights(row, unit, w);
+    return product(w, x);
   }
 };
 
@@ -334,26 +337,37 @@ struct DecodedRowUnit {
       x.s16[j] = make_float2(x.d[j] * static_cast<float>(chunk_sum(x.q[2 * j])),
                              x.d[j] * static_cast<float>(chunk_sum(x.q[2 * j + 1])));
   }
-  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+  // dot in two halves, as RowUnit<Q8_0>'s: the unit decoded once, then multiplied.
+  struct Weights {
+    Unit32 u[kSub];
+  };
+  __device__ static void weights(const uint8_t* row, int unit, Weights& w) {
     int part;
     const uint8_t* at = unit_address<Q>(row, unit, part);
-    Unit32 u[kSub];
-    Q::decode(at, part, Iq2Tables{nullptr, nullptr}, u, kSub);
+    Q::decode(at, part, Iq2Tables{nullptr, nullptr}, w.u, kSub);
+  }
+  __device__ static float product(const Weights& w, const Act& x) {
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
-      int lo = __dp4a(u[j].q[0], x.q[2 * j].x, 0);
-      lo = __dp4a(u[j].q[1], x.q[2 * j].y, lo);
-      lo = __dp4a(u[j].q[2], x.q[2 * j].z, lo);
-      lo = __dp4a(u[j].q[3], x.q[2 * j].w, lo);
-      int hi = __dp4a(u[j].q[4], x.q[2 * j + 1].x, 0);
-      hi = __dp4a(u[j].q[5], x.q[2 * j + 1].y, hi);
-      hi = __dp4a(u[j].q[6], x.q[2 * j + 1].z, hi);
-      hi = __dp4a(u[j].q[7], x.q[2 * j + 1].w, hi);
-      sum += x.d[j] * (u[j].a0 * static_cast<float>(lo) + u[j].a1 * static_cast<float>(hi));
-      sum -= u[j].b0 * x.s16[j].x + u[j].b1 * x.s16[j].y;
+      const Unit32& u = w.u[j];
+      int lo = __dp4a(u.q[0], x.q[2 * j].x, 0);
+      lo = __dp4a(u.q[1], x.q[2 * j].y, lo);
+      lo = __dp4a(u.q[2], x.q[2 * j].z, lo);
+      lo = __dp4a(u.q[3], x.q[2 * j].w, lo);
+      int hi = __dp4a(u.q[4], x.q[2 * j + 1].x, 0);
+      hi = __dp4a(u.q[5], x.q[2 * j + 1].y, hi);
+      hi = __dp4a(u.q[6], x.q[2 * j + 1].z, hi);
+      hi = __dp4a(u.q[7], x.q[2 * j + 1].w, hi);
+      sum += x.d[j] * (u.a0 * static_cast<float>(lo) + u.a1 * static_cast<float>(hi));
+      sum -= u.b0 * x.s16[j].x + u.b1 * x.s16[j].y;
     }
     return sum;
+  }
+  __device__ static float dot(const uint8_t* row, int unit, const Act& x) {
+    Weights w;
+    weights(row, unit, w);
+    return product(w, x);
   }
 };
 template <>
@@ -383,6 +397,23 @@ __device__ __forceinline__ void load_unit_activations(const int8_t* q, const flo
     for (int j = 0; j < U::kSub; ++j) x[t].d[j] = d[(t * U::kSub + j) * lanes + slot];
     U::prepare(x[t]);
   }
+}
+
+// Whether RowUnit<T>::dot comes in two halves (weights, product) that the multi-row kernel
+// runs once per unit and once per row.
+template <GgmlType T>
+inline constexpr bool kUnitsSplit = T == GgmlType::Q8_0 || T == GgmlType::Q4_K || T == GgmlType::Q6_K;
+
+// Lane `slot`'s activations for its unit t * L + slot alone (load_unit_activations' t-th).
+template <class U>
+__device__ __forceinline__ void load_one_unit(const int8_t* q, const float* d, int lanes, int slot, int t,
+                                              typename U::Act& x) {
+  const int4* q16 = reinterpret_cast<const int4*>(q);
+#pragma unroll
+  for (int c = 0; c < 2 * U::kSub; ++c) x.q[c] = q16[(t * 2 * U::kSub + c) * lanes + slot];
+#pragma unroll
+  for (int j = 0; j < U::kSub; ++j) x.d[j] = d[(t * U::kSub + j) * lanes + slot];
+  U::prepare(x);
 }
 
 // Lane `slot`'s activations of quantised row `row` for its S units t * L + slot.
@@ -567,6 +598,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_row_kernel(const M
 // across groups (a row's slice costs as many as the one-row kernel holds): each group reloads
 // them, from shared memory when the block quantised the rows itself (act_smem_bytes > 0: one
 // task, or shared_act; row_quant_smem_stride bytes a row), else from the quantised rows in L1.
+// Q8_0, Q4_K and Q6_K (kUnitsSplit) read and decode each unit once for all the rows (the Q6_K
+// head's decode is most of its one-row cost); the other types run the whole row per row.
 template <GgmlType T, int S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const MatvecArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -610,9 +643,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const 
     const uint8_t* src = source_rows<MatvecMode::kPlain>(a, task, 0, r0);
     const uint8_t* rows_at = stage + (reinterpret_cast<uintptr_t>(src) & 15);
     const int rows = static_cast<int>(min(static_cast<int64_t>(a.rows_per_group), a.n - r0));
-    if constexpr (T == GgmlType::Q8_0) {
-      // Each unit's weights read and permuted once, then multiplied with every row's
-      // activations (RowUnit<Q8_0>::dot split in two: the same operations, the same bits).
+    if constexpr (kUnitsSplit<T>) {
+      // Each unit's weights read (and decoded) once, then multiplied with every row's
+      // activations: RowUnit::dot's two halves, the same operations, the same bits.
       const int64_t row0 = a.shared_act ? 0 : task * a.act_rows;
       const bool fused = a.act_smem_bytes > 0;
       const int8_t* qb = fused ? reinterpret_cast<const int8_t*>(act_smem) : a.act.q + row0 * a.act.padded_k;
@@ -632,15 +665,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const 
           for (int t = 0; t < S; ++t) {
             const int unit = t * L + slot;
             if (unit < a.units_per_row) {
-              uint32_t q[8];
-              float d;
-              U::weights(row, unit, q, d);
+              typename U::Weights w;
+              U::weights(row, unit, w);
 #pragma unroll
               for (int r = 0; r < kRowKernelMaxRows; ++r) {
                 if (r < a.act_rows) {
-                  const int4* xq = reinterpret_cast<const int4*>(qb + r * q_stride);
-                  const float* xd = reinterpret_cast<const float*>(db + r * d_stride);
-                  acc[r] += U::product(q, d, xq[(2 * t) * L + slot], xq[(2 * t + 1) * L + slot], xd[t * L + slot]);
+                  typename U::Act x;
+                  load_one_unit<U>(qb + r * q_stride, reinterpret_cast<const float*>(db + r * d_stride), L, slot, t,
+                                   x);
+                  acc[r] += U::product(w, x);
                 }
               }
             }
