@@ -122,17 +122,10 @@ int main() {
     set_kernel_choice(KernelChoice{});
   }
   // The products of an MTP verify step at batch 1 (1 + k rows, k = 0..4, and 8 rows): each
-  // matrix its own launch, as in the step ("graph"), on the row kernels. "fused": the row
-  // kernel quantising its rows itself even where that leaves it one block per multiprocessor
-  // (KernelChoice::row_fuse_occupancy off).
+  // matrix its own launch, as in the step ("graph"), on the row kernels.
   for (int rows : {1, 2, 3, 4, 5, 8}) {
     for (int shape : {0, 1, 4}) run(GgmlType::Q8_0, shapes[shape], rows, bw, stream, false, "verify");
     run(GgmlType::Q6_K, shapes[5], rows, bw, stream, false, "verify");
-    KernelChoice always_fused;
-    always_fused.row_fuse_occupancy = false;
-    set_kernel_choice(always_fused);
-    run(GgmlType::Q8_0, shapes[4], rows, bw, stream, false, "verify fused");
-    set_kernel_choice(KernelChoice{});
   }
   // 2-64 rows: tensor cores ("mma", the default) and dp4a ("dp4a", up to 16 rows).
   // Every row count on 8192->4096 (the issue's comparison with llama.cpp), 16 rows on two more.

@@ -248,14 +248,8 @@ TEST_P(MatvecTest, FewRowsAreEachRowAlone) {
       for (const int64_t batch : {int64_t{1}, int64_t{3}}) {
         for (const bool shared : {false, true}) {
           if (shared && batch == 1) continue;
-          // Where the row kernel would quantise its rows itself at one block per multiprocessor
-          // (k = 8192), both ways: quantised first (the default) and fused ("fuse" legacy).
-          KernelChoice choice;
-          choice.row_fuse_occupancy = (rows + batch + (shared ? 1 : 0)) % 2 == 0;
-          set_kernel_choice(choice);
           SCOPED_TRACE("k " + std::to_string(k) + ", rows " + std::to_string(rows) + ", batch " +
-                       std::to_string(batch) + (shared ? ", shared x" : "") +
-                       (choice.row_fuse_occupancy ? "" : ", always fused"));
+                       std::to_string(batch) + (shared ? ", shared x" : ""));
           const int64_t x_rows = shared ? rows : batch * rows;
           const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(x_rows * k), rng);
           DeviceBuffer dx = DeviceBuffer::from(x);
@@ -285,7 +279,6 @@ TEST_P(MatvecTest, FewRowsAreEachRowAlone) {
       }
     }
   }
-  set_kernel_choice(KernelChoice{});
 }
 
 TEST(Matvec, RejectsBadArguments) {

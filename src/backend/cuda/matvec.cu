@@ -52,8 +52,7 @@ constexpr int64_t kRowsFusedQuantBytes = 64 * 1024;
 // so a row's kernel (and its bits) is the same alone and among others. Returns launched =
 // false when the general kernel has to run instead.
 template <GgmlType T>
-Status launch_row_kernel(const MatvecArgs& a, int rows, const KernelChoice& choice, cudaStream_t stream,
-                         bool& launched) {
+Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, bool& launched) {
   using Policy = detail::QuantPolicy<T>;
   constexpr int kAlign = detail::RowUnit<T>::kAlign;
   launched = false;
@@ -83,19 +82,6 @@ Status launch_row_kernel(const MatvecArgs& a, int rows, const KernelChoice& choi
       if (bytes > kRowsFusedQuantBytes) return Status::ok();  // the caller quantises first
       fused.act_smem_bytes = static_cast<int>(bytes);
     }
-    // One matrix whose fused activations would leave the kernel one block (4 warps) per
-    // multiprocessor where it has two without them (Q8_0 rows of k = 8192, 8.7 KB stages): the
-    // caller quantises first and the kernel keeps its warps (one warp per scheduler cannot hide
-    // its shared-memory latencies). Fewer blocks of 3 and more are left fused: a launch of its
-    // own costs more. The same bits either way (quantize_row_to_shared stores what
-    // quantize_activations_q8 does).
-    if (tasks == 1 && !a.shared_act && choice.row_fuse_occupancy) {
-      const auto blocks = [&](int act_bytes) {
-        return detail::blocks_by_shared_memory(
-            detail::size_groups(a.row_bytes, 1, lanes, act_bytes, min_rows, a.n, Policy::kIq2).smem);
-      };
-      if (blocks(fused.act_smem_bytes) < 2 && blocks(0) >= 2) return Status::ok();
-    }
   }
   const MatvecArgs& b = fused;
   launched = true;
@@ -115,13 +101,13 @@ Status launch_row_kernel(const MatvecArgs& a, int rows, const KernelChoice& choi
 Status launch_one_row(GgmlType type, const MatvecArgs& a, int rows, const KernelChoice& choice, cudaStream_t stream,
                       bool& launched) {
   launched = false;
-  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, rows, choice, stream, launched);
-  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, rows, choice, stream, launched);
-  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, rows, choice, stream, launched);
+  if (type == GgmlType::Q8_0) return launch_row_kernel<GgmlType::Q8_0>(a, rows, stream, launched);
+  if (type == GgmlType::Q2_K) return launch_row_kernel<GgmlType::Q2_K>(a, rows, stream, launched);
+  if (type == GgmlType::Q3_K) return launch_row_kernel<GgmlType::Q3_K>(a, rows, stream, launched);
   if (!choice.matvec_row_extra) return Status::ok();
-  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, rows, choice, stream, launched);
-  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, rows, choice, stream, launched);
-  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, rows, choice, stream, launched);
+  if (type == GgmlType::MXFP4) return launch_row_kernel<GgmlType::MXFP4>(a, rows, stream, launched);
+  if (type == GgmlType::Q4_K) return launch_row_kernel<GgmlType::Q4_K>(a, rows, stream, launched);
+  if (type == GgmlType::Q6_K) return launch_row_kernel<GgmlType::Q6_K>(a, rows, stream, launched);
   return Status::ok();
 }
 
@@ -200,7 +186,6 @@ KernelChoice choice_from_environment() {
     if (all || name == "moe_wgmma") c.moe_wgmma = false;
     if (all || name == "rows") c.matvec_rows = false;
     if (all || name == "grouped") c.grouped_batch = false;
-    if (all || name == "fuse") c.row_fuse_occupancy = false;
   }
   return c;
 }

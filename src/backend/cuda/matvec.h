@@ -70,9 +70,6 @@ struct KernelChoice {
   // "grouped": grouped products (CudaBackend::matmul_grouped, wo_a) of 2-64 rows as one
   // batched product through group-major copies (else a product per group).
   bool grouped_batch = true;
-  // "fuse": a row kernel quantises its f32 rows itself unless that shared memory would cost it
-  // blocks per multiprocessor (matvec.cu, launch_row_kernel); else it always fuses.
-  bool row_fuse_occupancy = true;
   // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or
   // CudaBackendOptions::batch_invariant). Every product of 1-64 activation rows runs a kernel
   // whose per-row arithmetic does not depend on the rows beside it: the int8 tensor-core

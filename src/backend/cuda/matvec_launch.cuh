@@ -83,10 +83,6 @@ inline GroupSizing size_groups(int64_t row_bytes, int sources, int lanes, int ac
   return g;
 }
 
-// Blocks of `smem` bytes a Hopper multiprocessor holds by shared memory alone (228 KB, of
-// which each block's runtime reserves 1 KB).
-inline int blocks_by_shared_memory(int64_t smem) { return static_cast<int>((228 * 1024) / (smem + 1024)); }
-
 // `sources`: matrices read per group (1, 2 for gate+up, top_k for the summed down product);
 // `max_tasks`: an upper bound on the tasks (the exact count may live on the device).
 // `Kernel`: the general kernel, or one with the same arguments and stages (matvec_row_kernel.cuh).
