@@ -623,12 +623,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const 
   const int64_t padded_k = static_cast<int64_t>((a.units_per_row + L - 1) / L) * L * 32 * U::kSub;
   const int64_t act_stride = row_quant_smem_stride(padded_k);
   const int64_t scales_at = (padded_k + 15) / 16 * 16;
-  // One unit a lane of a one-block unit (Q8_0 rows of k <= 1024: wq_b, the indexer's wq_b):
-  // the rows' activations are the same for every weight row of the task, so they stay in
-  // registers (as the one-row kernel keeps its row's) instead of being read again per row.
-  constexpr bool kHoist = kUnitsSplit<T> && S == 1 && U::kSub == 1;
-  typename U::Act held[kHoist ? kRowKernelMaxRows : 1];
-  int64_t held_task = -1;
   if (a.act_smem_bytes > 0) {
     for (int r = 0; r < a.act_rows; ++r) {
       int8_t* q = reinterpret_cast<int8_t*>(act_smem + r * act_stride);
@@ -660,16 +654,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const 
       const int64_t q_stride = fused ? act_stride : a.act.padded_k;
       const int64_t d_stride = fused ? act_stride : a.act.padded_k / 32 * 4;
       float* out = a.out + task * a.act_rows * a.n + r0;
-      if constexpr (kHoist) {
-        if (task != held_task) {
-#pragma unroll
-          for (int r = 0; r < kRowKernelMaxRows; ++r)
-            if (r < a.act_rows && slot < a.units_per_row)
-              load_one_unit<U>(qb + r * q_stride, reinterpret_cast<const float*>(db + r * d_stride), L, slot, 0,
-                               held[r]);
-          held_task = task;
-        }
-      }
       for (int rr0 = 0; rr0 < rows; rr0 += rows_per_pass) {
         const int rr = rr0 + lane_row;
         float acc[kRowKernelMaxRows];
@@ -686,14 +670,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const 
 #pragma unroll
               for (int r = 0; r < kRowKernelMaxRows; ++r) {
                 if (r < a.act_rows) {
-                  if constexpr (kHoist) {
-                    acc[r] += U::product(w, held[r]);
-                  } else {
-                    typename U::Act x;
-                    load_one_unit<U>(qb + r * q_stride, reinterpret_cast<const float*>(db + r * d_stride), L, slot,
-                                     t, x);
-                    acc[r] += U::product(w, x);
-                  }
+                  typename U::Act x;
+                  load_one_unit<U>(qb + r * q_stride, reinterpret_cast<const float*>(db + r * d_stride), L, slot, t,
+                                   x);
+                  acc[r] += U::product(w, x);
                 }
               }
             }
