@@ -65,10 +65,6 @@ Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, boo
                        (T == GgmlType::Q8_0 && steps <= 8);
   if (!covered) return Status::ok();
   const int64_t tasks = a.n_tasks;
-  // Q2_K with two units per lane (k = 8192: one 2688-byte row per 4 KB group): two rows per
-  // group for the kernel's paired pass, at no cost in occupancy (registers allow 12 warps per
-  // multiprocessor either way). Q3_K's larger rows would lose a third of its warps.
-  const int64_t min_rows = T == GgmlType::Q2_K && steps == 2 ? 2 * (32 / lanes) : 1;
   // f32 activations (one matrix, or one x for all): the block quantises them itself.
   MatvecArgs fused = a;
   fused.act_rows = rows;
@@ -86,7 +82,11 @@ Status launch_row_kernel(const MatvecArgs& a, int rows, cudaStream_t stream, boo
   const MatvecArgs& b = fused;
   launched = true;
   if (steps <= 1) return launch_row_variant<T, 1>(b, rows, tasks, stream);
-  if (steps <= 2) return launch_row_variant<T, 2>(b, rows, tasks, stream, min_rows);
+  // Q2_K with two units per lane (k = 8192: one 2688-byte row per 4 KB group): two rows per
+  // group for the kernel's paired pass, at no cost in occupancy (registers allow 12 warps per
+  // multiprocessor either way). Q3_K's larger rows would lose a third of its warps.
+  const int64_t pair_rows = T == GgmlType::Q2_K ? 2 * (32 / lanes) : 1;
+  if (steps <= 2) return launch_row_variant<T, 2>(b, rows, tasks, stream, pair_rows);
   if constexpr (T == GgmlType::Q8_0 || T == GgmlType::Q4_K) {
     if (steps <= 4) return launch_row_variant<T, 4>(b, rows, tasks, stream);
   }

@@ -59,30 +59,6 @@ inline Result<int> sm_count() {
 inline constexpr int64_t kGroupTargetBytes = 4096;
 inline constexpr int kMaxSharedBytes = 227 * 1024;
 
-// How launch_matvec_kernel cuts a shape into groups: weight rows a warp stages per group
-// (about kGroupTargetBytes, at least a pass of the warp's lanes and min_rows, as far as
-// shared memory allows), each stage's layout, and the block's shared memory (the stages of
-// its warps, the IQ2 tables, act_smem_bytes of fused activations).
-struct GroupSizing {
-  int64_t rows = 1;
-  int segment_stride = 0;
-  int64_t stage_bytes = 0;
-  int64_t smem = 0;
-};
-inline GroupSizing size_groups(int64_t row_bytes, int sources, int lanes, int act_smem_bytes, int64_t min_rows,
-                               int64_t n, bool iq2) {
-  GroupSizing g;
-  int64_t rows = std::max<int64_t>(1, kGroupTargetBytes / (sources * row_bytes));
-  rows = std::max<int64_t>({rows, 32 / lanes, min_rows});  // a pass of the warp fills every lane
-  const int64_t per_stage = (kMaxSharedBytes - kIq2TableBytes - act_smem_bytes) / (kWarpsPerBlock * kStages);
-  rows = std::min({rows, std::max<int64_t>(1, (per_stage / sources - 48) / row_bytes), n});
-  g.rows = rows;
-  g.segment_stride = static_cast<int>((rows * row_bytes + 15 + 15) / 16 * 16 + 16);
-  g.stage_bytes = sources * g.segment_stride;
-  g.smem = (iq2 ? kIq2TableBytes : 0) + int64_t{kWarpsPerBlock} * kStages * g.stage_bytes + act_smem_bytes;
-  return g;
-}
-
 // `sources`: matrices read per group (1, 2 for gate+up, top_k for the summed down product);
 // `max_tasks`: an upper bound on the tasks (the exact count may live on the device).
 // `Kernel`: the general kernel, or one with the same arguments and stages (matvec_row_kernel.cuh).
@@ -99,13 +75,16 @@ Status launch_matvec_kernel(MatvecArgs a, int sources, int64_t max_tasks, cudaSt
                          " x " + std::to_string(a.lanes_per_row));
   a.act.lanes = a.lanes_per_row;  // f32 activations are row-major: any lane split reads them
   a.act.subunits_per_row = static_cast<int>(a.act.k / 32);
-  const GroupSizing sized =
-      size_groups(a.row_bytes, sources, a.lanes_per_row, a.act_smem_bytes, min_rows, a.n, Policy::kIq2);
-  a.rows_per_group = static_cast<int>(sized.rows);
-  a.row_blocks = (a.n + sized.rows - 1) / sized.rows;
-  a.segment_stride = sized.segment_stride;
-  a.stage_bytes = sized.stage_bytes;
-  const int64_t smem = sized.smem;
+  int64_t rows = std::max<int64_t>(1, kGroupTargetBytes / (sources * a.row_bytes));
+  rows = std::max<int64_t>({rows, 32 / a.lanes_per_row, min_rows});  // a pass of the warp fills every lane
+  const int64_t per_stage = (kMaxSharedBytes - kIq2TableBytes - a.act_smem_bytes) / (kWarpsPerBlock * kStages);
+  rows = std::min({rows, std::max<int64_t>(1, (per_stage / sources - 48) / a.row_bytes), a.n});
+  a.rows_per_group = static_cast<int>(rows);
+  a.row_blocks = (a.n + rows - 1) / rows;
+  a.segment_stride = static_cast<int>((rows * a.row_bytes + 15 + 15) / 16 * 16 + 16);
+  a.stage_bytes = sources * a.segment_stride;
+  const int64_t smem =
+      (Policy::kIq2 ? kIq2TableBytes : 0) + int64_t{kWarpsPerBlock} * kStages * a.stage_bytes + a.act_smem_bytes;
   if (smem > kMaxSharedBytes)
     return Status::error("matvec: rows of " + std::to_string(a.row_bytes) + " bytes x " + std::to_string(sources) +
                          " sources need " + std::to_string(smem) + " bytes of shared memory, limit " +

@@ -689,19 +689,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) matvec_rows_kernel(const 
           }
         }
       }
-    } else {
+      __syncwarp();
+      continue;
+    }
 #pragma unroll 1
-      for (int r = 0; r < a.act_rows; ++r) {
-        typename U::Act x[S];
-        if (a.act_smem_bytes > 0) {
-          const int8_t* q = reinterpret_cast<const int8_t*>(act_smem + r * act_stride);
-          load_unit_activations<U, S>(q, reinterpret_cast<const float*>(q + scales_at), L, slot, a.units_per_row, x);
-        } else {
-          load_row_activations<T, S>(a.act, a.shared_act ? r : task * a.act_rows + r, slot, a.units_per_row, x);
-        }
-        group_row_products<T, S>(a, rows_at, rows, x, slot, rows_per_pass, lane_row,
-                                 a.out + (task * a.act_rows + r) * a.n + r0);
+    for (int r = 0; r < a.act_rows; ++r) {
+      typename U::Act x[S];
+      if (a.act_smem_bytes > 0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(act_smem + r * act_stride);
+        load_unit_activations<U, S>(q, reinterpret_cast<const float*>(q + scales_at), L, slot, a.units_per_row, x);
+      } else {
+        load_row_activations<T, S>(a.act, a.shared_act ? r : task * a.act_rows + r, slot, a.units_per_row, x);
       }
+      group_row_products<T, S>(a, rows_at, rows, x, slot, rows_per_pass, lane_row,
+                               a.out + (task * a.act_rows + r) * a.n + r0);
     }
     __syncwarp();
   }
