@@ -38,7 +38,8 @@
 #              (DSV4_GPU_PROFILE_PARTS: "decode prefill batch" by default; "verify" adds an MTP
 #              verify step of 4 rows, one sequence (the file then has its MTP block); "moe" adds ncu's
 #              sections for the wgmma expert kernels of one 4096-token layer, "decode_detail"
-#              those of a decode step's heaviest small kernels, "hc_source" hc_pre's stall
+#              those of a decode step's heaviest small kernels, "batch_detail" those of the
+#              16-row int8 tensor-core products of a 16-sequence step, "hc_source" hc_pre's stall
 #              samples per instruction)
 #   upstream   issue 12's check 3: llama.cpp's own converter (convert_hf_to_gguf.py, torch) turns
 #              a synthetic official checkpoint into a trunk and an MTP sidecar, and dsv4 and
@@ -55,7 +56,8 @@
 # site's mixes and hc_pre as two kernels, DSV4_CUDA_HC_CLUSTER=0), DSV4_GPU_MOE_STAGE_BYTES="8192 ..."
 # (decode again with the decode experts' stages of that many bytes), DSV4_GPU_BASELINE=1 (decode
 # again with the baseline dsv4 that prepare staged from DSV4_GPU_BASELINE_DIR), DSV4_GPU_MOE_VARIANTS="1 2"
-# (decode again with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT).
+# (decode again with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT),
+# DSV4_GPU_LEGACY_RUNS="bulk f32tiles" (decode again with each set of kernels switched back).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
 # peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
@@ -444,6 +446,16 @@ if has flash || has serve || has spec; then
       --batch-depth 4096 --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_moevariant$variant.log" | cut -d'|' -f3-6
   done
+  # DSV4_GPU_LEGACY_RUNS="bulk f32tiles": decode and aggregate decode at 4K again with each
+  # set of kernels switched back (DSV4_CUDA_LEGACY, matvec.h), beside this build's default run
+  # above: what each change gains, in the same call, without the spec part of LEGACY_AB.
+  for legacy in ${DSV4_GPU_LEGACY_RUNS:-}; do
+    [ -f "$flash" ] || break
+    step "dsv4_legacy_$legacy" 120 env DSV4_CUDA_LEGACY="$legacy" "$bin/dsv4" bench -m "$flash" --backend cuda \
+      --label "flash$layers-legacy-$legacy" --parts decode,aggregate --depths 4096 --batches 16,64 \
+      --batch-depth 4096 --steps 16 --repeats 3
+    grep -a '^TABLE|' "$work/dsv4_legacy_$legacy.log" | cut -d'|' -f3-6
+  done
   # DSV4_GPU_FLASH_NO_MTP=1: the same decode on the same layers written without the MTP block
   # (does carrying the MTP block change a trunk step?).
   if [ "${DSV4_GPU_FLASH_NO_MTP:-0}" = 1 ] && [ -f "$flash" ]; then
@@ -599,6 +611,17 @@ PY
       --section LaunchStats --log-file "$work/ncu_decode_detail.txt" "$bin/dsv4" bench -m "$prof" --backend cuda \
       --parts decode --depths 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
     [ -f "$work/ncu_decode_detail.txt" ] && cat "$work/ncu_decode_detail.txt" >>"$work/profile.txt"
+  fi
+  # "batch_detail": ncu's sections for the int8 tensor-core products of a 16-sequence step
+  # (mmq_kernel: Q8_0 attention and shared-expert products of 16 rows), ~2 layers' launches
+  # after the warm-up step: grid, occupancy, stall reasons, issue and memory throughput.
+  if [[ $parts == *" batch_detail "* ]]; then
+    step profile_batch_detail 150 ncu --clock-control none -k regex:mmq_kernel --launch-skip 40 --launch-count 20 \
+      --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --log-file "$work/ncu_batch_detail.txt" \
+      "$bin/dsv4" bench -m "$prof" --backend cuda --parts aggregate --batches 16 --batch-depth 4096 --steps 1 \
+      --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
+    [ -f "$work/ncu_batch_detail.txt" ] && cat "$work/ncu_batch_detail.txt" >>"$work/profile.txt"
   fi
   # "hc_source": hc_pre_kernel's warp-stall samples per SASS instruction (one launch of a
   # decode step), into ncu_hc_source.csv in the logs: which instructions its 18 us wait on.

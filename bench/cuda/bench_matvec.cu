@@ -127,13 +127,20 @@ int main() {
     for (int shape : {0, 1, 4}) run(GgmlType::Q8_0, shapes[shape], rows, bw, stream, false, "verify");
     run(GgmlType::Q6_K, shapes[5], rows, bw, stream, false, "verify");
   }
-  // 2-64 rows: tensor cores ("mma", the default) and dp4a ("dp4a", up to 16 rows).
+  // 2-64 rows: tensor cores ("mma", the default; "mma-cpasync" without bulk copies) and dp4a
+  // ("dp4a", up to 16 rows).
   // Every row count on 8192->4096 (the issue's comparison with llama.cpp), 16 rows on two more.
   for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::MXFP4})
     for (int rows : {2, 4, 8, 16, 32, 64})
       for (int shape : {4, 1, 0}) {
         if (shape != 4 && rows != 16) continue;
         run(type, shapes[shape], rows, bw, stream, false, "mma", true);
+        // The same kernels filling their stages by 16-byte cp.async instead of bulk copies.
+        KernelChoice cp_async;
+        cp_async.mmq_bulk = false;
+        set_kernel_choice(cp_async);
+        run(type, shapes[shape], rows, bw, stream, false, "mma-cpasync", true);
+        set_kernel_choice(KernelChoice{});
         if (rows <= 16 && (rows == 16 || shape == 4)) {
           set_kernel_choice(legacy);
           run(type, shapes[shape], rows, bw, stream, false, "dp4a", true);

@@ -164,6 +164,49 @@ TEST_P(MmqTest, ThroughMatvec) {
   run_case(type, Case{40, k, 1, 48, 0}, rng, true);  // beyond the dp4a kernels' 16 rows
 }
 
+TEST_P(MmqTest, BulkCopiesGiveTheCopyPathsBits) {
+  // Whole stages (k a multiple of 256) of Q8_0 and Q6_K with up to 16 rows fill by bulk copies
+  // (MmqArgs::bulk; the other types keep cp.async, so for them this checks the switch changes
+  // nothing); the same product through 16-byte cp.async (KernelChoice::mmq_bulk off) must give
+  // the same bits: only how the bytes reach shared memory differs. Matrices start off 16-byte
+  // boundaries (pad), so the bulk copies run from below a row's span to past its end; k split
+  // over clusters (8192).
+  const GgmlType type = GetParam();
+  std::mt19937_64 rng(dsv4::test::test_seed() + 3);
+  SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
+  for (const Case& c : {Case{100, 1024, 3, 16, alignment(type)}, Case{70, 8192, 1, 12, 0}, Case{33, 512, 2, 5, 0}}) {
+    SCOPED_TRACE(type_name(type) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+                 " rows=" + std::to_string(c.rows));
+    const size_t stride = row_bytes(type, c.k) * c.n + c.stride_pad;
+    std::vector<uint8_t> w(stride * c.batch);
+    for (int64_t b = 0; b < c.batch; ++b) {
+      const auto m = random_weights(type, c.n, c.k, rng);
+      std::memcpy(&w[b * stride], m.data(), m.size());
+    }
+    const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(c.batch * c.rows * c.k), rng);
+    DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
+    const MatvecWeights mw{type, dw.get(), c.n, c.k, c.batch, static_cast<int64_t>(stride)};
+    ASSERT_TRUE(mma_matmul_applies(mw, c.rows));
+    const size_t outputs = static_cast<size_t>(c.batch * c.rows * c.n);
+    std::vector<float> y[2];
+    for (bool bulk : {true, false}) {
+      KernelChoice choice;
+      choice.mmq_bulk = bulk;
+      set_kernel_choice(choice);
+      DeviceBuffer ws(mma_matmul_workspace_bytes(mw, c.rows)), dy(outputs * sizeof(float));
+      ws.poison();
+      dy.poison();
+      const Status st = mma_matmul(mw, dx.get<float>(), c.rows, dy.get<float>(), ws.get(), ws.bytes(), nullptr);
+      set_kernel_choice(KernelChoice{});
+      ASSERT_OK(st);
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      y[bulk ? 0 : 1] = dy.to_host<float>(outputs);
+    }
+    for (size_t i = 0; i < outputs; ++i) ASSERT_TRUE(std::isfinite(y[0][i])) << "output " << i;
+    EXPECT_EQ(std::memcmp(y[0].data(), y[1].data(), outputs * sizeof(float)), 0);
+  }
+}
+
 TEST(Mmq, RejectsWhatItCannotTake) {
   std::vector<uint8_t> bytes(4096);
   DeviceBuffer dw = DeviceBuffer::from(bytes);

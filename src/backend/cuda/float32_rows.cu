@@ -99,6 +99,117 @@ __global__ void __launch_bounds__(1024) float32_rows_kernel(const Products p, in
   if (lane == 0) *y = v;
 }
 
+// Q8_0 weights with k <= 4096 (one warp an output: at most 128 blocks of 32, lane l sums
+// units l, l + 32, ...) and 2-64 rows: the compressors of a batched decode or a verify step.
+// The kernel above reads each weight row once per row of x and loads x with a 128-byte stride
+// between lanes (one cache line a lane); here a block of 4 warps takes 16 outputs (4 a warp)
+// and 16 rows: the rows' x is staged in shared memory 32 units at a time, laid out so that
+// lane l reads its unit's values as float4s without bank conflicts, and each weight block is
+// decoded once for all 16 rows. Every (output, row) sum is the same chain as the kernel
+// above (lane l: units l, l + 32, ... in order, each block's 32 products in order, the same
+// __fmul_rn and fmaf), then the same xor tree: the same bits.
+constexpr int kTileWarps = 4;
+constexpr int kTileOutputsPerWarp = 4;
+constexpr int kTileOutputs = kTileWarps * kTileOutputsPerWarp;
+constexpr int kTileRows = 8;
+constexpr int kTileUnitStride = 36;  // floats per lane's unit in shared memory (32 + 4: float4 reads spread)
+constexpr size_t kTileSmemBytes = size_t{kTileRows} * 32 * kTileUnitStride * sizeof(float);
+
+__global__ void __launch_bounds__(32 * kTileWarps) float32_rows_q8_tile_kernel(const Products p, int64_t units,
+                                                                               const float* __restrict__ x, int64_t ldx,
+                                                                               int64_t m) {
+  ::dsv4::cuda::dependent_kernel_prologue();
+  extern __shared__ __align__(16) float xs[];  // [row][lane][kTileUnitStride]: chunk q's unit 32q + lane
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t total = p.first[p.count];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), m - row0));
+
+  // This warp's outputs: their weight rows (past the last output: the last one, not stored).
+  const uint8_t* wrow[kTileOutputsPerWarp];
+  int matrix[kTileOutputsPerWarp];
+  int64_t local[kTileOutputsPerWarp];
+#pragma unroll
+  for (int u = 0; u < kTileOutputsPerWarp; ++u) {
+    const int64_t o = min(total - 1, (static_cast<int64_t>(blockIdx.x) * kTileWarps + warp) * kTileOutputsPerWarp + u);
+    int i = 0;
+    while (i + 1 < p.count && o >= p.first[i + 1]) ++i;
+    matrix[u] = i;
+    local[u] = o - p.first[i];
+    wrow[u] = p.w[i] + local[u] * p.row_bytes[i];
+  }
+
+  float acc[kTileOutputsPerWarp][kTileRows];
+#pragma unroll
+  for (int u = 0; u < kTileOutputsPerWarp; ++u)
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) acc[u][r] = 0.0f;
+
+  for (int64_t q = 0; q * 32 < units; ++q) {
+    const int chunk_units = static_cast<int>(min(int64_t{32}, units - 32 * q));
+    const int64_t j = 32 * q + min(lane, chunk_units - 1);  // lanes past the chunk read a valid unit, unused
+    // This lane's blocks of the chunk for the warp's outputs, every load in flight before the
+    // staging below (one memory latency a chunk, not one per 8 values).
+    uint16_t raw[kTileOutputsPerWarp][17];
+#pragma unroll
+    for (int u = 0; u < kTileOutputsPerWarp; ++u) {
+      const auto* h = reinterpret_cast<const uint16_t*>(wrow[u] + j * 34);
+#pragma unroll
+      for (int i = 0; i < 17; ++i) raw[u][i] = __ldg(h + i);
+    }
+    __syncthreads();  // the previous chunk's values are read
+    // Stage rows' values 1024q .. 1024q + 32 * chunk_units - 1: float4 f of a row goes to lane
+    // f / 8's unit, values 4 (f % 8) .. + 3.
+    const int per_row = 8 * chunk_units;
+    for (int r = 0; r < rows; ++r) {
+      const auto* src = reinterpret_cast<const float4*>(x + (row0 + r) * ldx + 1024 * q);
+      for (int f = static_cast<int>(threadIdx.x); f < per_row; f += 32 * kTileWarps)
+        *reinterpret_cast<float4*>(&xs[(r * 32 + f / 8) * kTileUnitStride + 4 * (f % 8)]) = __ldg(src + f);
+    }
+    __syncthreads();
+    if (lane >= chunk_units) continue;
+    float d[kTileOutputsPerWarp];
+#pragma unroll
+    for (int u = 0; u < kTileOutputsPerWarp; ++u) d[u] = fp16_to_f32(raw[u][0]);
+#pragma unroll
+    for (int part = 0; part < 4; ++part) {  // 8 values of the block at a time
+      float w[kTileOutputsPerWarp][8];
+#pragma unroll
+      for (int u = 0; u < kTileOutputsPerWarp; ++u)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint16_t pair = raw[u][1 + 4 * part + i];
+          w[u][2 * i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(pair & 0xFFu)), d[u]);
+          w[u][2 * i + 1] = __fmul_rn(static_cast<float>(static_cast<int8_t>(pair >> 8)), d[u]);
+        }
+#pragma unroll
+      for (int r = 0; r < kTileRows; ++r) {
+        if (r >= rows) break;
+        const float* xv = &xs[(r * 32 + lane) * kTileUnitStride + 8 * part];
+        const float4 a = *reinterpret_cast<const float4*>(xv), b = *reinterpret_cast<const float4*>(xv + 4);
+        const float xr[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int u = 0; u < kTileOutputsPerWarp; ++u)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[u][r] = fmaf(w[u][i], xr[i], acc[u][r]);
+      }
+    }
+  }
+
+  // The kernel above's xor tree for every (output, row); lane 0 stores.
+  const int64_t first_output = (static_cast<int64_t>(blockIdx.x) * kTileWarps + warp) * kTileOutputsPerWarp;
+#pragma unroll
+  for (int u = 0; u < kTileOutputsPerWarp; ++u)
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      if (r >= rows) break;
+      float v = acc[u][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+      if (lane == 0 && first_output + u < total) p.y[matrix[u]][(row0 + r) * p.ldy[matrix[u]] + local[u]] = v;
+    }
+}
+
 int unit_of(GgmlType type) {
   return type == GgmlType::F32 ? 4 : type == GgmlType::BF16 ? 8 : type == GgmlType::Q8_0 ? 32 : 0;
 }
@@ -146,6 +257,16 @@ Status float32_rows_matmul_many(GgmlType type, std::span<const Float32Matrix> ms
   if (p.first[p.count] > INT32_MAX) return refuse("too many outputs");
   const int64_t units = k / unit_of(type);
   const int threads = float32_rows_threads(type, k);
+  if (type == GgmlType::Q8_0 && threads == 32 && m >= 2 && kernel_choice().float32_tiles) {
+    static const cudaError_t attribute = cudaFuncSetAttribute(
+        float32_rows_q8_tile_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTileSmemBytes));
+    DSV4_CUDA_TRY(attribute);
+    const dim3 tiles(static_cast<unsigned>((p.first[p.count] + kTileOutputs - 1) / kTileOutputs),
+                     static_cast<unsigned>((m + kTileRows - 1) / kTileRows), 1);
+    launch_dependent(float32_rows_q8_tile_kernel, tiles, 32 * kTileWarps, kTileSmemBytes, stream, p, units, x, ldx, m);
+    DSV4_CUDA_TRY_LAUNCH();
+    return Status::ok();
+  }
   const dim3 grid(static_cast<unsigned>(p.first[p.count]), static_cast<unsigned>(m), 1);
   if (type == GgmlType::F32)
     launch_dependent(float32_rows_kernel<GgmlType::F32>, grid, threads, 0, stream, p, units, x, ldx);

@@ -186,6 +186,8 @@ KernelChoice choice_from_environment() {
     if (all || name == "moe_wgmma") c.moe_wgmma = false;
     if (all || name == "rows") c.matvec_rows = false;
     if (all || name == "grouped") c.grouped_batch = false;
+    if (all || name == "bulk") c.mmq_bulk = false;
+    if (all || name == "f32tiles") c.float32_tiles = false;
   }
   return c;
 }

@@ -70,6 +70,14 @@ struct KernelChoice {
   // "grouped": grouped products (CudaBackend::matmul_grouped, wo_a) of 2-64 rows as one
   // batched product through group-major copies (else a product per group).
   bool grouped_batch = true;
+  // "bulk": the int8 tensor-core kernels (mmq_kernel.cuh) of Q8_0 and Q6_K with up to 16
+  // columns fill their stages by bulk copies (one per weight row span and activation column, on
+  // an mbarrier) where k is a multiple of 256 (else 16-byte cp.async from every thread).
+  bool mmq_bulk = true;
+  // "f32tiles": Float32-mode products of Q8_0 weights (the compressors) with 2-64 rows and
+  // k <= 4096 take a block of 16 outputs x 16 rows with x staged in shared memory
+  // (float32_rows.cu; the same bits as the kernel of one output and row a block).
+  bool float32_tiles = true;
   // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or
   // CudaBackendOptions::batch_invariant). Every product of 1-64 activation rows runs a kernel
   // whose per-row arithmetic does not depend on the rows beside it: the int8 tensor-core

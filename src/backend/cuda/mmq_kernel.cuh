@@ -92,6 +92,10 @@ struct MmqArgs {
   float limit = 0.0f;
   float* out = nullptr;              // [output rows][n]
   quant::IqTables iq{};              // IQ3_XXS, IQ3_S, IQ1_S: set by launch_mmq_type
+  // Stages arrive by bulk copies (one cp.async.bulk per weight row span and per activation
+  // column, completion on an mbarrier per ring slot) instead of 16-byte cp.async from every
+  // thread. Needs k % kMmqStageK == 0 and 16-byte aligned q, d, s16 (mmq_bulk_copies_apply).
+  bool bulk = false;
 };
 
 // ---- per-type geometry ------------------------------------------------------------------
@@ -183,6 +187,44 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) 
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+
+// Bulk copies (the TMA unit; sm_90): global -> shared, completion counted in bytes on an
+// mbarrier of the block's shared memory.
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(arrivals));
+}
+// Announce `bytes` more to arrive at the barrier's current phase, without arriving.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+// Announce `bytes` and arrive (this thread's part of the phase).
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16) from 16-byte aligned global memory to 16-byte aligned shared memory.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_address(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_address(bar))
+      : "memory");
 }
 
 // 32-bit words from shared memory at 4-, 2- or 1-byte alignment (the pointers stay derived
@@ -769,6 +811,48 @@ __device__ __forceinline__ void mmq_issue_stage(const MmqArgs& a, const MmqColum
   }
 }
 
+// The same stage by bulk copies (MmqArgs::bulk), completion on `bar`: threads 0-63 copy tile
+// row t's span (from its 16-byte aligned start to the 16-byte boundary past its end, as the
+// cp.async path), threads 64-127 column t - 64's values, scales and sums. Every thread arrives
+// once per stage (the activations part); the weights part only announces its bytes, so the
+// prologue may issue a stage's weights before waiting for the previous kernel.
+template <GgmlType T, int NT, MmqMode M>
+__device__ __forceinline__ void mmq_issue_stage_bulk(const MmqArgs& a, const MmqColumns& cols, const uint8_t* row_src,
+                                                     int stage, uint8_t* smem, uint64_t* bar, bool weights,
+                                                     bool activations) {
+  using C = MmqType<T>;
+  using S = MmqStage<T, NT>;
+  static_assert(kMmqThreads == 2 * kMmqTileRows, "a thread per tile row, a thread per column");
+  static_assert(S::kCols <= kMmqThreads - kMmqTileRows, "a thread per column");
+  const int64_t k0 = static_cast<int64_t>(stage) * kMmqStageK;
+  if (weights && threadIdx.x < kMmqTileRows) {
+    const int r = threadIdx.x;
+    const uintptr_t src = reinterpret_cast<uintptr_t>(row_src + static_cast<int64_t>(stage) * C::kStageBytes);
+    const uintptr_t begin = src & ~uintptr_t{15}, end = (src + C::kStageBytes + 15) & ~uintptr_t{15};
+    const uint32_t bytes = static_cast<uint32_t>(end - begin);  // <= kSlotBytes
+    mbarrier_expect_bytes(bar, bytes);
+    bulk_copy(smem + r * C::kSlotBytes, reinterpret_cast<const void*>(begin), bytes, bar);
+  }
+  if (activations) {
+    uint32_t bytes = 0;
+    const int col = static_cast<int>(threadIdx.x) - kMmqTileRows;
+    const bool copies = col >= 0 && col < 8 * cols.live;  // columns past them are never read
+    if (copies) {
+      bytes = kMmqStageK + kMmqStageChunks * 4 + (C::kMins ? 2 * kMmqStageChunks * 4 : 0);
+    }
+    mbarrier_arrive_expect_bytes(bar, bytes);
+    if (copies) {
+      const int64_t act = cols.act[col];
+      bulk_copy(smem + S::kW + col * kMmqXStride, a.q + act * a.k + k0, kMmqStageK, bar);
+      bulk_copy(smem + S::kW + S::kX + col * kMmqStageChunks * 4, a.d + act * (a.k / 32) + k0 / 32,
+                kMmqStageChunks * 4, bar);
+      if constexpr (C::kMins)
+        bulk_copy(smem + S::kW + S::kX + S::kD + col * 2 * kMmqStageChunks * 4, a.s16 + act * (a.k / 16) + k0 / 16,
+                  2 * kMmqStageChunks * 4, bar);
+    }
+  }
+}
+
 __device__ __forceinline__ float mmq_silu(float x) { return x / (1.0f + __expf(-x)); }
 
 template <GgmlType T, int NT, MmqMode M>
@@ -777,6 +861,7 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(const MmqArgs a) {
   using S = MmqStage<T, NT>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ MmqColumns cols;
+  __shared__ uint64_t stage_full[S::kRing];  // bulk copies: a slot's bytes have landed
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int rank = static_cast<int>(blockIdx.x) % a.split;
@@ -805,6 +890,10 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(const MmqArgs a) {
       act = static_cast<int>(task * a.cols_per_task + min(c, a.cols_per_task - 1));
       out = c < a.cols_per_task ? static_cast<int>(task * a.cols_per_task + c) : -1;
     }
+    if (a.bulk && c < S::kRing) {
+      mbarrier_init(&stage_full[c], kMmqThreads);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy unit
+    }
     cols.act[c] = act;
     cols.out[c] = out;
     cols.weight[c] = weight;
@@ -826,16 +915,27 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(const MmqArgs a) {
   // Prologue: the weights of the first stages are constant and go out before waiting for the
   // kernel that writes the activations (dense tasks); then those stages' activations.
   constexpr int kRing = S::kRing;
-  const uint8_t* copy_row = mmq_row_source<M>(a, matrix, tile, static_cast<int>(threadIdx.x >> 1));
+  const bool bulk = a.bulk;
+  const uint8_t* copy_row =
+      mmq_row_source<M>(a, matrix, tile, static_cast<int>(bulk ? threadIdx.x % kMmqTileRows : threadIdx.x >> 1));
+  auto issue = [&](int s, bool weights, bool activations) {
+    uint8_t* slot = smem + (s % kRing) * S::kBytes;
+    if (bulk) {
+      mmq_issue_stage_bulk<T, NT, M>(a, cols, copy_row, first_stage + s, slot, &stage_full[s % kRing], weights,
+                                     activations);
+    } else {
+      mmq_issue_stage<T, NT, M>(a, cols, copy_row, first_stage + s, slot, weights, activations);
+    }
+  };
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) {
-    if (s < n_stages) mmq_issue_stage<T, NT, M>(a, cols, copy_row, first_stage + s, smem + s * S::kBytes, true, false);
+    if (s < n_stages) issue(s, true, false);
     cp_async_commit();
   }
   if (!experts) wait_for_previous_kernel();
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s)
-    if (s < n_stages) mmq_issue_stage<T, NT, M>(a, cols, copy_row, first_stage + s, smem + s * S::kBytes, false, true);
+    if (s < n_stages) issue(s, false, true);
   cp_async_commit();
 
   float acc[NT][4];
@@ -848,15 +948,16 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(const MmqArgs a) {
   for (int s = 0; s < n_stages; ++s) {
     // Stage s is complete once at most kRing - 2 groups are pending (the first stage also
     // needs the activation group committed after the prologue's weight groups).
-    if (s == 0) {
+    if (bulk) {
+      mbarrier_wait(&stage_full[s % kRing], static_cast<uint32_t>(s / kRing) & 1);
+    } else if (s == 0) {
       cp_async_wait<0>();
     } else {
       cp_async_wait<kRing - 2>();
     }
     __syncthreads();  // every thread's copies landed; every warp is done with stage s - 1
     const int next = s + kRing - 1;
-    if (next < n_stages)
-      mmq_issue_stage<T, NT, M>(a, cols, copy_row, first_stage + next, smem + (next % kRing) * S::kBytes, true, true);
+    if (next < n_stages) issue(next, true, true);
     cp_async_commit();
 
     const uint8_t* stage = smem + (s % kRing) * S::kBytes;

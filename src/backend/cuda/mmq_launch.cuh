@@ -19,6 +19,21 @@ int mmq_alignment(GgmlType type);
 // Column tiles of 8 for `rows` activation rows: 1, 2, 4 or 8.
 int mmq_column_tiles(int rows);
 
+// Whether the stages of type T arrive by bulk copies (MmqArgs::bulk): chosen
+// (KernelChoice::mmq_bulk); rows of at least 208 bytes a stage (Q8_0 272, Q6_K 210: shorter
+// spans, one bulk copy each, made the Q2_K/Q3_K expert tiles of a 64-sequence step slower);
+// at most 2 column tiles (16 rows; with 8 tiles the 192 small activation copies a stage cost
+// Q4_K and Q6_K 11%); whole stages (k a multiple of 256: every activation run then starts
+// 16-byte aligned); the activation arrays 16-byte aligned. Measurements: docs/PERFORMANCE.md,
+// eighteenth run. The weight spans may start anywhere (each copy runs from the 16-byte
+// boundary below a row's span to the one past it).
+template <GgmlType T>
+bool mmq_bulk_copies_apply(const MmqArgs& a, int nt) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return MmqType<T>::kStageBytes >= 208 && kernel_choice().mmq_bulk && nt <= 2 && a.k % kMmqStageK == 0 &&
+         aligned(a.q) && aligned(a.d) && (a.s16 == nullptr || aligned(a.s16));
+}
+
 // `tasks` blocks along y (matrices of a batch, or the maximum number of expert tiles).
 Status launch_mmq(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream);
 
@@ -87,6 +102,7 @@ template <GgmlType T>
 Status launch_mmq_type(const MmqArgs& args, int nt, MmqMode mode, int64_t tasks, cudaStream_t stream) {
   MmqArgs a = args;
   if constexpr (needs_iq_tables(T)) DSV4_TRY(iq_tables(&a.iq));
+  a.bulk = mmq_bulk_copies_apply<T>(a, nt);
   if (mode == MmqMode::kPlain) {
     switch (nt) {
       case 1: return launch_mmq_kernel<T, 1, MmqMode::kPlain>(a, tasks, stream);
