@@ -103,9 +103,10 @@ __global__ void __launch_bounds__(1024) float32_rows_kernel(const Products p, in
 // units l, l + 32, ...) and 2-64 rows: the compressors of a batched decode or a verify step.
 // The kernel above reads each weight row once per row of x and loads x with a 128-byte stride
 // between lanes (one cache line a lane); here a block of 4 warps takes 16 outputs (4 a warp)
-// and 16 rows: the rows' x is staged in shared memory 32 units at a time, laid out so that
-// lane l reads its unit's values as float4s without bank conflicts, and each weight block is
-// decoded once for all 16 rows. Every (output, row) sum is the same chain as the kernel
+// and 8 rows: the rows' x is staged in shared memory 32 units at a time, laid out so that
+// lane l reads its unit's values as float4s without bank conflicts; each lane loads its 4
+// outputs' blocks of the chunk before the staging (their latency overlaps it) and decodes
+// each block once for the 8 rows. Every (output, row) sum is the same chain as the kernel
 // above (lane l: units l, l + 32, ... in order, each block's 32 products in order, the same
 // __fmul_rn and fmaf), then the same xor tree: the same bits.
 constexpr int kTileWarps = 4;
