@@ -8,7 +8,8 @@
 // same 32 up rows) x 8 * NT activation columns. The k dimension streams through a ring of
 // shared-memory stages of 256 weights each (one K-quant super-block, 8 Q8_0 / MXFP4 blocks):
 // every stage holds the raw block bytes of the 64 rows (16-byte cp.async copies of each row's
-// span, whatever its alignment), the columns' 256 int8 activations, their scales and sums.
+// span, whatever its alignment; for Q8_0 / Q6_K with up to 16 columns one bulk copy a row and
+// column on an mbarrier, MmqArgs::bulk), the columns' 256 int8 activations, their scales and sums.
 // A cluster of `split` blocks may share one row tile, each taking a contiguous part of k;
 // rank 0 adds the others' partial tiles from their shared memory in rank order.
 //
