@@ -128,6 +128,18 @@ inline std::vector<uint8_t> random_weights(GgmlType type, int64_t rows, int64_t 
   return w;
 }
 
+// `batch` random n x k matrices of `type`, `stride` bytes apart (stride >= a matrix: the pad
+// puts later matrices off 16-byte boundaries), drawn in order by random_weights.
+inline std::vector<uint8_t> random_weight_batch(GgmlType type, int64_t n, int64_t k, int64_t batch, size_t stride,
+                                                std::mt19937_64& rng) {
+  std::vector<uint8_t> w(stride * static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto m = random_weights(type, n, k, rng);
+    std::memcpy(&w[static_cast<size_t>(b) * stride], m.data(), m.size());
+  }
+  return w;
+}
+
 inline std::vector<float> dequantize(GgmlType type, const uint8_t* rows, int64_t n, int64_t k) {
   std::vector<float> out(static_cast<size_t>(n * k));
   for (int64_t r = 0; r < n; ++r) dequantize_row(type, rows + r * row_bytes(type, k), &out[r * k], k);

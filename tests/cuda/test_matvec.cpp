@@ -31,11 +31,7 @@ void run_case(GgmlType type, const Case& c, std::mt19937_64& rng) {
   const size_t rb = row_bytes(type, c.k);
   const size_t matrix_bytes = rb * c.n;
   const size_t stride = matrix_bytes + c.stride_pad;
-  std::vector<uint8_t> w(stride * c.batch);
-  for (int64_t b = 0; b < c.batch; ++b) {
-    const auto m = random_weights(type, c.n, c.k, rng);
-    std::memcpy(&w[b * stride], m.data(), m.size());
-  }
+  const std::vector<uint8_t> w = random_weight_batch(type, c.n, c.k, c.batch, stride, rng);
   const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(c.batch * c.rows * c.k), rng);
 
   DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
@@ -238,11 +234,7 @@ TEST_P(MatvecTest, FewRowsAreEachRowAlone) {
   constexpr int64_t kN = 45;
   for (const int64_t k : {block == 256 ? int64_t{768} : int64_t{224}, int64_t{1024}, int64_t{4096}, int64_t{8192}}) {
     const size_t matrix = (row_bytes(type, k) * kN + 15) / 16 * 16;  // each matrix 16-byte aligned, to run alone
-    std::vector<uint8_t> w(3 * matrix);
-    for (int b = 0; b < 3; ++b) {
-      const auto m = random_weights(type, kN, k, rng);
-      std::memcpy(&w[b * matrix], m.data(), m.size());
-    }
+    const std::vector<uint8_t> w = random_weight_batch(type, kN, k, 3, matrix, rng);
     DeviceBuffer dw = DeviceBuffer::from(w);
     for (const int rows : {2, 3, 5, kRowKernelMaxRows}) {
       for (const int64_t batch : {int64_t{1}, int64_t{3}}) {

@@ -80,13 +80,8 @@ void run_case(GgmlType type, const Case& c, std::mt19937_64& rng, bool through_m
   SCOPED_TRACE(type_name(type) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
                " batch=" + std::to_string(c.batch) + " rows=" + std::to_string(c.rows) +
                " pad=" + std::to_string(c.stride_pad) + (through_matvec ? " (matvec)" : " (mma_matmul)"));
-  const size_t matrix_bytes = row_bytes(type, c.k) * c.n;
-  const size_t stride = matrix_bytes + c.stride_pad;
-  std::vector<uint8_t> w(stride * c.batch);
-  for (int64_t b = 0; b < c.batch; ++b) {
-    const auto m = random_weights(type, c.n, c.k, rng);
-    std::memcpy(&w[b * stride], m.data(), m.size());
-  }
+  const size_t stride = row_bytes(type, c.k) * c.n + c.stride_pad;
+  const std::vector<uint8_t> w = random_weight_batch(type, c.n, c.k, c.batch, stride, rng);
   const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(c.batch * c.rows * c.k), rng);
   DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
   const int64_t outputs = c.batch * c.rows * c.n;
@@ -178,11 +173,7 @@ TEST_P(MmqTest, BulkCopiesGiveTheCopyPathsBits) {
     SCOPED_TRACE(type_name(type) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
                  " rows=" + std::to_string(c.rows));
     const size_t stride = row_bytes(type, c.k) * c.n + c.stride_pad;
-    std::vector<uint8_t> w(stride * c.batch);
-    for (int64_t b = 0; b < c.batch; ++b) {
-      const auto m = random_weights(type, c.n, c.k, rng);
-      std::memcpy(&w[b * stride], m.data(), m.size());
-    }
+    const std::vector<uint8_t> w = random_weight_batch(type, c.n, c.k, c.batch, stride, rng);
     const std::vector<float> x = dsv4::test::random_normal(static_cast<size_t>(c.batch * c.rows * c.k), rng);
     DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
     const MatvecWeights mw{type, dw.get(), c.n, c.k, c.batch, static_cast<int64_t>(stride)};
