@@ -36,7 +36,8 @@
 #              prefill chunk on a 4-layer cut of the geometry (DSV4_GPU_PROFILE_LAYERS; 4 holds
 #              a window, a CSA and an HCA layer): profile.txt, the kernels by total time
 #              (DSV4_GPU_PROFILE_PARTS: "decode prefill batch" by default; "verify" adds an MTP
-#              verify step of 4 rows, one sequence (the file then has its MTP block); "moe" adds ncu's
+#              verify step of 4 rows, one sequence (the file then has its MTP block); "batch64" a
+#              decode step of 64 sequences; "moe" adds ncu's
 #              sections for the wgmma expert kernels of one 4096-token layer, "decode_detail"
 #              those of a decode step's heaviest small kernels, "batch_detail" those of the
 #              16-row int8 tensor-core products of a 16-sequence step, "hc_source" hc_pre's stall
@@ -49,7 +50,7 @@
 # Other settings: DSV4_GPU_BIN (a folder of binaries to use instead), DSV4_GPU_BUILD=0 (use
 # the staged binaries even where the build dependencies exist), DSV4_GPU_SHM (where the
 # model files go, /dev/shm), DSV4_GPU_FLASH_LAYERS (43), DSV4_GPU_WORK (/tmp/dsv4-gpu);
-# DSV4_GPU_FLASH_PARTS / _DEPTHS (the flash figures), DSV4_GPU_SPEC_DEFAULT=0 (no default-kernel
+# DSV4_GPU_FLASH_PARTS / _DEPTHS / _PREFILL (the flash figures), DSV4_GPU_SPEC_DEFAULT=0 (no default-kernel
 # spec part), DSV4_GPU_INVARIANT=0 (no --batch-invariant figures), DSV4_GPU_INVARIANT_BATCHES
 # (16,64), DSV4_GPU_SPEC_RUN=0 (no dsv4 run comparison), DSV4_GPU_LANES_OFF=1 (decode again with
 # the backend's lanes off, DSV4_CUDA_LANES=0), DSV4_GPU_HC_CLUSTER_OFF=1 (decode again with a
@@ -391,7 +392,7 @@ if has flash || has serve || has spec; then
   if has flash && [ -f "$flash" ]; then
     step dsv4_flash 300 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers" \
       --parts "${DSV4_GPU_FLASH_PARTS:-prefill,decode,aggregate}" \
-      --depths "${DSV4_GPU_FLASH_DEPTHS:-4096,32768,131072}" --batches 16,64 --batch-depth 4096 --prefill 8192,32768 --chunk 4096 \
+      --depths "${DSV4_GPU_FLASH_DEPTHS:-4096,32768,131072}" --batches 16,64 --batch-depth 4096 --prefill "${DSV4_GPU_FLASH_PREFILL:-8192,32768}" --chunk 4096 \
       --steps 16 --repeats 3 --prefill-repeats 1 --json "$work/dsv4_flash.json"
     grep -a '^TABLE|' "$work/dsv4_flash.log" | cut -d'|' -f3-6
   fi
@@ -574,11 +575,15 @@ if has profile && command -v ncu >/dev/null; then
   [[ $parts == *" batch "* ]] && step profile_batch 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu_batch.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts aggregate \
     --batches 16 --batch-depth 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
+  # "batch64": the same at 64 sequences.
+  [[ $parts == *" batch64 "* ]] && step profile_batch64 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --log-file "$work/ncu_batch64.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts aggregate \
+    --batches 64 --batch-depth 4096 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
   # An MTP verify step of one sequence, 4 rows (k = 3): 1 warm-up + 2 timed steps.
   [[ $parts == *" verify "* ]] && step profile_verify 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --log-file "$work/ncu_verify.csv" "$bin/dsv4" bench -m "$prof" --backend cuda --parts spec --batches 1 \
     --batch-depth 4096 --verify-rows 4 --steps 2 --repeats 1 --warmup 1 --no-graphs --label "profile$prof_layers"
-  for what in decode prefill batch verify; do
+  for what in decode prefill batch batch64 verify; do
     csv="$work/ncu_$what.csv"; [ $what = decode ] && csv="$work/ncu.csv"
     [ -f "$csv" ] || continue
     python3 - "$csv" "$what" >>"$work/profile.txt" <<'PY'
@@ -592,7 +597,7 @@ for r in rows:
     total[k] += float(r[value].replace(",", "")) / 1e3
     count[k] += 1
 what = {"decode": "5 decode steps", "prefill": "2 prefill chunks of 4096 tokens",
-        "batch": "3 decode steps of 16 sequences", "verify": "3 verify steps of 4 rows"}[sys.argv[2]]
+        "batch": "3 decode steps of 16 sequences", "batch64": "3 decode steps of 64 sequences", "verify": "3 verify steps of 4 rows"}[sys.argv[2]]
 print(f"== {sys.argv[2]}: all launches of the run (load, fill, {what})")
 print(f"{'us total':>10} {'launches':>8} {'us each':>9}  kernel")
 for k, t in total.most_common(40):

@@ -140,6 +140,10 @@ int main() {
         cp_async.mmq_bulk = false;
         set_kernel_choice(cp_async);
         run(type, shapes[shape], rows, bw, stream, false, "mma-cpasync", true);
+        KernelChoice ring3;  // bulk copies in a ring of 3 stages
+        ring3.mmq_bulk_ring2 = false;
+        set_kernel_choice(ring3);
+        run(type, shapes[shape], rows, bw, stream, false, "mma-ring3", true);
         set_kernel_choice(KernelChoice{});
         if (rows <= 16 && (rows == 16 || shape == 4)) {
           set_kernel_choice(legacy);

@@ -103,42 +103,87 @@ __global__ void __launch_bounds__(1024) float32_rows_kernel(const Products p, in
 // units l, l + 32, ...) and 2-64 rows: the compressors of a batched decode or a verify step.
 // The kernel above reads each weight row once per row of x and loads x with a 128-byte stride
 // between lanes (one cache line a lane); here a block of 4 warps takes 16 outputs (4 a warp)
-// and 8 rows: the rows' x is staged in shared memory 32 units at a time, laid out so that
-// lane l reads its unit's values as float4s without bank conflicts; each lane loads its 4
-// outputs' blocks of the chunk before the staging (their latency overlaps it) and decodes
-// each block once for the 8 rows. Every (output, row) sum is the same chain as the kernel
-// above (lane l: units l, l + 32, ... in order, each block's 32 products in order, the same
-// __fmul_rn and fmaf), then the same xor tree: the same bits.
+// and 8 rows, k in chunks of 32 units through two shared-memory buffers filled by cp.async
+// one chunk ahead: the rows' x laid out so that lane l reads its unit's values as float4s
+// without bank conflicts, and the 16 outputs' blocks of the chunk (each output's span copied
+// whole from the 16-byte boundary below it). Each weight block is decoded once for the 8
+// rows. Every (output, row) sum is the same chain as the kernel above (lane l: units l,
+// l + 32, ... in order, each block's 32 products in order, the same __fmul_rn and fmaf), then
+// the same xor tree: the same bits.
 constexpr int kTileWarps = 4;
+constexpr int kTileThreads = 32 * kTileWarps;
 constexpr int kTileOutputsPerWarp = 4;
 constexpr int kTileOutputs = kTileWarps * kTileOutputsPerWarp;
 constexpr int kTileRows = 8;
 constexpr int kTileUnitStride = 36;  // floats per lane's unit in shared memory (32 + 4: float4 reads spread)
-constexpr size_t kTileSmemBytes = size_t{kTileRows} * 32 * kTileUnitStride * sizeof(float);
+constexpr int kTileXBytes = kTileRows * 32 * kTileUnitStride * 4;
+constexpr int kTileSpanBytes = 16 * ((15 + 32 * 34 + 15) / 16);  // an output's 32 blocks from below a 16-byte boundary
+constexpr int kTileBufferBytes = kTileXBytes + kTileOutputs * kTileSpanBytes;
+constexpr size_t kTileSmemBytes = 2 * size_t{kTileBufferBytes};
 
-__global__ void __launch_bounds__(32 * kTileWarps) float32_rows_q8_tile_kernel(const Products p, int64_t units,
-                                                                               const float* __restrict__ x, int64_t ldx,
-                                                                               int64_t m) {
+__device__ __forceinline__ void tile_cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void tile_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void tile_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__global__ void __launch_bounds__(kTileThreads) float32_rows_q8_tile_kernel(const Products p, int64_t units,
+                                                                           const float* __restrict__ x, int64_t ldx,
+                                                                           int64_t m) {
   ::dsv4::cuda::dependent_kernel_prologue();
-  extern __shared__ __align__(16) float xs[];  // [row][lane][kTileUnitStride]: chunk q's unit 32q + lane
+  extern __shared__ __align__(16) uint8_t tile_smem[];  // two buffers: x [row][lane][36] f32, then spans [output]
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t total = p.first[p.count];
+  const int64_t first_output = static_cast<int64_t>(blockIdx.x) * kTileOutputs;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), m - row0));
 
-  // This warp's outputs: their weight rows (past the last output: the last one, not stored).
-  const uint8_t* wrow[kTileOutputsPerWarp];
-  int matrix[kTileOutputsPerWarp];
-  int64_t local[kTileOutputsPerWarp];
-#pragma unroll
-  for (int u = 0; u < kTileOutputsPerWarp; ++u) {
-    const int64_t o = min(total - 1, (static_cast<int64_t>(blockIdx.x) * kTileWarps + warp) * kTileOutputsPerWarp + u);
+  // Output b of the block (past the last output: the last one, not stored): its weight row.
+  auto weight_row = [&](int b, int* matrix, int64_t* local) {
+    const int64_t o = min(total - 1, first_output + b);
     int i = 0;
     while (i + 1 < p.count && o >= p.first[i + 1]) ++i;
-    matrix[u] = i;
-    local[u] = o - p.first[i];
-    wrow[u] = p.w[i] + local[u] * p.row_bytes[i];
-  }
+    *matrix = i;
+    *local = o - p.first[i];
+    return p.w[i] + *local * p.row_bytes[i];
+  };
+
+  // Chunk q's copies into buffer q % 2: x values 1024q .. of each row (float4 f of a row goes to
+  // lane f / 8's unit, values 4 (f % 8) ..), and each output's blocks 32q .. 32q + 31.
+  auto issue = [&](int64_t q) {
+    uint8_t* buffer = tile_smem + (q % 2) * kTileBufferBytes;
+    auto* xs = reinterpret_cast<float*>(buffer);
+    const int chunk_units = static_cast<int>(min(int64_t{32}, units - 32 * q));
+    const int per_row = 8 * chunk_units;
+    for (int r = 0; r < rows; ++r) {
+      const auto* src = reinterpret_cast<const float4*>(x + (row0 + r) * ldx + 1024 * q);
+      for (int f = static_cast<int>(threadIdx.x); f < per_row; f += kTileThreads)
+        tile_cp_async16(&xs[(r * 32 + f / 8) * kTileUnitStride + 4 * (f % 8)], src + f);
+    }
+    const int span_chunks = kTileSpanBytes / 16;
+    for (int e = static_cast<int>(threadIdx.x); e < kTileOutputs * span_chunks; e += kTileThreads) {
+      const int b = e / span_chunks, c = e % span_chunks;
+      int matrix;
+      int64_t local;
+      const uint8_t* begin = weight_row(b, &matrix, &local) + 32 * q * 34;
+      const uint8_t* aligned = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{15});
+      if (aligned + 16 * c < begin + 34 * chunk_units)
+        tile_cp_async16(buffer + kTileXBytes + b * kTileSpanBytes + 16 * c, aligned + 16 * c);
+    }
+    tile_cp_async_commit();
+  };
+
+  int matrix[kTileOutputsPerWarp];
+  int64_t local[kTileOutputsPerWarp];
+  int skew[kTileOutputsPerWarp];  // where output u's span starts in its slot, chunk by chunk (34 * 32 bytes apart: 0 mod 16)
+#pragma unroll
+  for (int u = 0; u < kTileOutputsPerWarp; ++u)
+    skew[u] = static_cast<int>(
+        reinterpret_cast<uintptr_t>(weight_row(warp * kTileOutputsPerWarp + u, &matrix[u], &local[u])) & 15);
 
   float acc[kTileOutputsPerWarp][kTileRows];
 #pragma unroll
@@ -146,59 +191,55 @@ __global__ void __launch_bounds__(32 * kTileWarps) float32_rows_q8_tile_kernel(c
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r) acc[u][r] = 0.0f;
 
-  for (int64_t q = 0; q * 32 < units; ++q) {
+  const int64_t chunks = (units + 31) / 32;
+  issue(0);
+  for (int64_t q = 0; q < chunks; ++q) {
+    if (q + 1 < chunks) {
+      issue(q + 1);  // into the buffer chunk q - 1 used: every warp left it at the barrier below
+      tile_cp_async_wait<1>();
+    } else {
+      tile_cp_async_wait<0>();
+    }
+    __syncthreads();  // chunk q's bytes, every thread's copies
     const int chunk_units = static_cast<int>(min(int64_t{32}, units - 32 * q));
-    const int64_t j = 32 * q + min(lane, chunk_units - 1);  // lanes past the chunk read a valid unit, unused
-    // This lane's blocks of the chunk for the warp's outputs, every load in flight before the
-    // staging below (one memory latency a chunk, not one per 8 values).
-    uint16_t raw[kTileOutputsPerWarp][17];
+    if (lane < chunk_units) {
+      const uint8_t* buffer = tile_smem + (q % 2) * kTileBufferBytes;
+      const auto* xs = reinterpret_cast<const float*>(buffer);
+      const uint8_t* block[kTileOutputsPerWarp];
+      float d[kTileOutputsPerWarp];
 #pragma unroll
-    for (int u = 0; u < kTileOutputsPerWarp; ++u) {
-      const auto* h = reinterpret_cast<const uint16_t*>(wrow[u] + j * 34);
+      for (int u = 0; u < kTileOutputsPerWarp; ++u) {
+        block[u] = buffer + kTileXBytes + (warp * kTileOutputsPerWarp + u) * kTileSpanBytes + skew[u] + 34 * lane;
+        d[u] = fp16_to_f32(*reinterpret_cast<const uint16_t*>(block[u]));
+      }
 #pragma unroll
-      for (int i = 0; i < 17; ++i) raw[u][i] = __ldg(h + i);
-    }
-    __syncthreads();  // the previous chunk's values are read
-    // Stage rows' values 1024q .. 1024q + 32 * chunk_units - 1: float4 f of a row goes to lane
-    // f / 8's unit, values 4 (f % 8) .. + 3.
-    const int per_row = 8 * chunk_units;
-    for (int r = 0; r < rows; ++r) {
-      const auto* src = reinterpret_cast<const float4*>(x + (row0 + r) * ldx + 1024 * q);
-      for (int f = static_cast<int>(threadIdx.x); f < per_row; f += 32 * kTileWarps)
-        *reinterpret_cast<float4*>(&xs[(r * 32 + f / 8) * kTileUnitStride + 4 * (f % 8)]) = __ldg(src + f);
-    }
-    __syncthreads();
-    if (lane >= chunk_units) continue;
-    float d[kTileOutputsPerWarp];
-#pragma unroll
-    for (int u = 0; u < kTileOutputsPerWarp; ++u) d[u] = fp16_to_f32(raw[u][0]);
-#pragma unroll
-    for (int part = 0; part < 4; ++part) {  // 8 values of the block at a time
-      float w[kTileOutputsPerWarp][8];
-#pragma unroll
-      for (int u = 0; u < kTileOutputsPerWarp; ++u)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint16_t pair = raw[u][1 + 4 * part + i];
-          w[u][2 * i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(pair & 0xFFu)), d[u]);
-          w[u][2 * i + 1] = __fmul_rn(static_cast<float>(static_cast<int8_t>(pair >> 8)), d[u]);
-        }
-#pragma unroll
-      for (int r = 0; r < kTileRows; ++r) {
-        if (r >= rows) break;
-        const float* xv = &xs[(r * 32 + lane) * kTileUnitStride + 8 * part];
-        const float4 a = *reinterpret_cast<const float4*>(xv), b = *reinterpret_cast<const float4*>(xv + 4);
-        const float xr[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      for (int part = 0; part < 4; ++part) {  // 8 values of the block at a time
+        float w[kTileOutputsPerWarp][8];
 #pragma unroll
         for (int u = 0; u < kTileOutputsPerWarp; ++u)
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[u][r] = fmaf(w[u][i], xr[i], acc[u][r]);
+          for (int i = 0; i < 4; ++i) {
+            const uint16_t pair = reinterpret_cast<const uint16_t*>(block[u])[1 + 4 * part + i];
+            w[u][2 * i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(pair & 0xFFu)), d[u]);
+            w[u][2 * i + 1] = __fmul_rn(static_cast<float>(static_cast<int8_t>(pair >> 8)), d[u]);
+          }
+#pragma unroll
+        for (int r = 0; r < kTileRows; ++r) {
+          if (r >= rows) break;
+          const float* xv = &xs[(r * 32 + lane) * kTileUnitStride + 8 * part];
+          const float4 a = *reinterpret_cast<const float4*>(xv), b = *reinterpret_cast<const float4*>(xv + 4);
+          const float xr[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+          for (int u = 0; u < kTileOutputsPerWarp; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u][r] = fmaf(w[u][i], xr[i], acc[u][r]);
+        }
       }
     }
+    __syncthreads();  // every warp is done with buffer q % 2 before chunk q + 2 is issued into it
   }
 
   // The kernel above's xor tree for every (output, row); lane 0 stores.
-  const int64_t first_output = (static_cast<int64_t>(blockIdx.x) * kTileWarps + warp) * kTileOutputsPerWarp;
 #pragma unroll
   for (int u = 0; u < kTileOutputsPerWarp; ++u)
 #pragma unroll
@@ -207,7 +248,8 @@ __global__ void __launch_bounds__(32 * kTileWarps) float32_rows_q8_tile_kernel(c
       float v = acc[u][r];
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-      if (lane == 0 && first_output + u < total) p.y[matrix[u]][(row0 + r) * p.ldy[matrix[u]] + local[u]] = v;
+      const int64_t o = first_output + warp * kTileOutputsPerWarp + u;
+      if (lane == 0 && o < total) p.y[matrix[u]][(row0 + r) * p.ldy[matrix[u]] + local[u]] = v;
     }
 }
 

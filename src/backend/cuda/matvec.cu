@@ -187,6 +187,7 @@ KernelChoice choice_from_environment() {
     if (all || name == "rows") c.matvec_rows = false;
     if (all || name == "grouped") c.grouped_batch = false;
     if (all || name == "bulk") c.mmq_bulk = false;
+    if (all || name == "ring2") c.mmq_bulk_ring2 = false;
     if (all || name == "f32tiles") c.float32_tiles = false;
   }
   return c;

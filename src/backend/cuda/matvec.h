@@ -74,8 +74,10 @@ struct KernelChoice {
   // columns fill their stages by bulk copies (one per weight row span and activation column, on
   // an mbarrier) where k is a multiple of 256 (else 16-byte cp.async from every thread).
   bool mmq_bulk = true;
+  // "ring2": those bulk-copied products in a ring of 2 stages (4 blocks an SM) instead of 3.
+  bool mmq_bulk_ring2 = true;
   // "f32tiles": Float32-mode products of Q8_0 weights (the compressors) with 2-64 rows and
-  // k <= 4096 take a block of 16 outputs x 16 rows with x staged in shared memory
+  // k <= 4096 take a block of 16 outputs x 8 rows with x and weights staged in shared memory
   // (float32_rows.cu; the same bits as the kernel of one output and row a block).
   bool float32_tiles = true;
   // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or

@@ -137,8 +137,8 @@ template <> struct MmqType<GgmlType::IQ2_XS> : MmqGeometry<256, 74, 2, false> {}
 template <> struct MmqType<GgmlType::IQ2_S> : MmqGeometry<256, 82, 2, false> {};
 template <> struct MmqType<GgmlType::IQ1_M> : MmqGeometry<256, 56, 4, false> {};
 
-// Shared memory of one stage and the ring depth for NT column tiles.
-template <GgmlType T, int NT>
+// Shared memory of one stage and the ring depth for NT column tiles (Ring > 0: that depth).
+template <GgmlType T, int NT, int Ring = 0>
 struct MmqStage {
   using C = MmqType<T>;
   static constexpr int kCols = 8 * NT;
@@ -147,7 +147,7 @@ struct MmqStage {
   static constexpr int kD = kCols * kMmqStageChunks * 4;
   static constexpr int kS = C::kMins ? kCols * 2 * kMmqStageChunks * 4 : 0;
   static constexpr int kBytes = kW + kX + kD + kS;
-  static constexpr int kRing = 3 * kBytes <= 112 * 1024 ? 3 : 2;
+  static constexpr int kRing = Ring > 0 ? Ring : (3 * kBytes <= 112 * 1024 ? 3 : 2);
   static constexpr int kSmem = kRing * kBytes;
 };
 
@@ -856,10 +856,10 @@ __device__ __forceinline__ void mmq_issue_stage_bulk(const MmqArgs& a, const Mmq
 
 __device__ __forceinline__ float mmq_silu(float x) { return x / (1.0f + __expf(-x)); }
 
-template <GgmlType T, int NT, MmqMode M>
+template <GgmlType T, int NT, MmqMode M, int Ring = 0>
 __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(const MmqArgs a) {
   using C = MmqType<T>;
-  using S = MmqStage<T, NT>;
+  using S = MmqStage<T, NT, Ring>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ MmqColumns cols;
   __shared__ uint64_t stage_full[S::kRing];  // bulk copies: a slot's bytes have landed

@@ -54,10 +54,10 @@ Status launch_mmq_iq3_iq1(GgmlType type, const MmqArgs& a, int nt, MmqMode mode,
 Status launch_mmq_iq2_iq1_m(GgmlType type, const MmqArgs& a, int nt, MmqMode mode, int64_t tasks,
                             cudaStream_t stream);
 
-template <GgmlType T, int NT, MmqMode M>
+template <GgmlType T, int NT, MmqMode M, int Ring = 0>
 Status launch_mmq_kernel(const MmqArgs& a, int64_t tasks, cudaStream_t stream) {
-  using S = MmqStage<T, NT>;
-  auto kernel = &mmq_kernel<T, NT, M>;
+  using S = MmqStage<T, NT, Ring>;
+  auto kernel = &mmq_kernel<T, NT, M, Ring>;
   static std::once_flag once;
   static cudaError_t attribute = cudaSuccess;
   std::call_once(once, [&] {
@@ -103,6 +103,15 @@ Status launch_mmq_type(const MmqArgs& args, int nt, MmqMode mode, int64_t tasks,
   MmqArgs a = args;
   if constexpr (needs_iq_tables(T)) DSV4_TRY(iq_tables(&a.iq));
   a.bulk = mmq_bulk_copies_apply<T>(a, nt);
+  if constexpr (MmqType<T>::kStageBytes >= 208) {
+    // Bulk-copied stages in a ring of 2 (KernelChoice::mmq_bulk_ring2): 49 KB a block for
+    // Q8_0 at 16 columns, so 4 blocks an SM where a ring of 3 allows 3 (a 35.6-MB product's
+    // 512 blocks in one wave instead of 1.3).
+    if (mode == MmqMode::kPlain && a.bulk && kernel_choice().mmq_bulk_ring2) {
+      if (nt == 1) return launch_mmq_kernel<T, 1, MmqMode::kPlain, 2>(a, tasks, stream);
+      if (nt == 2) return launch_mmq_kernel<T, 2, MmqMode::kPlain, 2>(a, tasks, stream);
+    }
+  }
   if (mode == MmqMode::kPlain) {
     switch (nt) {
       case 1: return launch_mmq_kernel<T, 1, MmqMode::kPlain>(a, tasks, stream);
