@@ -966,7 +966,8 @@ class CudaExperts : public CudaBackendOps, public ::testing::WithParamInterface<
   bool wgmma_path(int64_t experts, int64_t n, int k) const {
     const ExpertCase c = GetParam();
     const ExpertWeights w{c.gate_up, nullptr, nullptr, c.down, nullptr, experts, d_, inter_};
-    return kernel_choice().moe_wgmma && n > kMoeDecodeMaxTokens && detail::moe_wgmma_applies(w, n * k);
+    return kernel_choice().moe_wgmma && n > kMoeDecodeMaxTokens && !moe_experts_fused_decode(w, n, k) &&
+           detail::moe_wgmma_applies(w, n * k);
   }
   // What the fused quantised kernels compute (moe_experts.h), in double from the dequantised
   // weights: Q8-rounded x into gate and up, the clamped SwiGLU times the routing weight,

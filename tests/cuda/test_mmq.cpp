@@ -161,8 +161,9 @@ TEST_P(MmqTest, ThroughMatvec) {
 
 TEST_P(MmqTest, BulkCopiesGiveTheCopyPathsBits) {
   // Whole stages (k a multiple of 256) of Q8_0 and Q6_K with up to 16 rows fill by bulk copies
-  // (MmqArgs::bulk); the same product through 16-byte cp.async (KernelChoice::mmq_bulk off) must
-  // give the same bits: only how the bytes reach shared memory differs. Matrices start off
+  // (MmqArgs::bulk) in a ring of 2 stages; the same product in a ring of 3
+  // (KernelChoice::mmq_bulk_ring2 off) and through 16-byte cp.async (KernelChoice::mmq_bulk off)
+  // must give the same bits: only how the bytes reach shared memory differs. Matrices start off
   // 16-byte boundaries (pad), so the bulk copies run from below a row's span to past its end;
   // k split over clusters (8192).
   const GgmlType type = GetParam();
@@ -179,10 +180,11 @@ TEST_P(MmqTest, BulkCopiesGiveTheCopyPathsBits) {
     const MatvecWeights mw{type, dw.get(), c.n, c.k, c.batch, static_cast<int64_t>(stride)};
     ASSERT_TRUE(mma_matmul_applies(mw, c.rows));
     const size_t outputs = static_cast<size_t>(c.batch * c.rows * c.n);
-    std::vector<float> y[2];
-    for (bool bulk : {true, false}) {
+    std::vector<float> y[3];
+    for (int path = 0; path < 3; ++path) {  // bulk in a ring of 2, bulk in a ring of 3, cp.async
       KernelChoice choice;
-      choice.mmq_bulk = bulk;
+      choice.mmq_bulk = path < 2;
+      choice.mmq_bulk_ring2 = path == 0;
       set_kernel_choice(choice);
       DeviceBuffer ws(mma_matmul_workspace_bytes(mw, c.rows)), dy(outputs * sizeof(float));
       ws.poison();
@@ -191,10 +193,11 @@ TEST_P(MmqTest, BulkCopiesGiveTheCopyPathsBits) {
       set_kernel_choice(KernelChoice{});
       ASSERT_OK(st);
       ASSERT_CUDA(cudaDeviceSynchronize());
-      y[bulk ? 0 : 1] = dy.to_host<float>(outputs);
+      y[path] = dy.to_host<float>(outputs);
     }
     for (size_t i = 0; i < outputs; ++i) ASSERT_TRUE(std::isfinite(y[0][i])) << "output " << i;
-    EXPECT_EQ(std::memcmp(y[0].data(), y[1].data(), outputs * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(y[0].data(), y[1].data(), outputs * sizeof(float)), 0) << "ring of 2 against ring of 3";
+    EXPECT_EQ(std::memcmp(y[0].data(), y[2].data(), outputs * sizeof(float)), 0) << "bulk against cp.async";
   }
 }
 

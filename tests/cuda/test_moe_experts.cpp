@@ -248,11 +248,37 @@ TEST(MoeDecode, FlashShapes) {
   }
 }
 
+// Which token counts take the fused decode kernels (moe_experts_fused_decode): up to 16 always,
+// up to 64 while the pairs are spread thin (V4-Flash's 256 experts), not with decode64 off or in
+// batch-invariant mode (slices of 16), never beyond 64.
+TEST(MoeDecode, TakesManySequencesSpreadOverExperts) {
+  const ExpertWeights flash{GgmlType::Q2_K, nullptr, nullptr, GgmlType::Q3_K, nullptr, 256, 4096, 2048};
+  const ExpertWeights few{GgmlType::Q2_K, nullptr, nullptr, GgmlType::Q3_K, nullptr, 8, 1024, 512};
+  set_kernel_choice(KernelChoice{});
+  EXPECT_TRUE(moe_experts_fused_decode(flash, 1, 6));
+  EXPECT_TRUE(moe_experts_fused_decode(flash, 16, 6));
+  EXPECT_TRUE(moe_experts_fused_decode(flash, 64, 6));
+  EXPECT_FALSE(moe_experts_fused_decode(flash, 65, 6));
+  EXPECT_TRUE(moe_experts_fused_decode(few, 16, 6));
+  EXPECT_FALSE(moe_experts_fused_decode(few, 17, 6)) << "17 tokens over 8 experts: the tiles share rows";
+  KernelChoice narrow;
+  narrow.moe_decode_wide = false;
+  set_kernel_choice(narrow);
+  EXPECT_TRUE(moe_experts_fused_decode(flash, 16, 6));
+  EXPECT_FALSE(moe_experts_fused_decode(flash, 17, 6));
+  KernelChoice invariant;
+  invariant.batch_invariant = true;
+  set_kernel_choice(invariant);
+  EXPECT_FALSE(moe_experts_fused_decode(flash, 64, 6));
+  set_kernel_choice(KernelChoice{});
+}
+
 // Every decode kernel variant (DSV4_MOE_DECODE_VARIANT, moe_experts.h) against the reference
 // and bit-identical to variant 0 (all claim its bits), over shapes whose lane groups differ
 // (hidden 4096 / 1024 / 256: 32, 8 and 2 lanes a Q2_K row, 1 a Q6_K row at 256; ffn 2048 /
-// 512 / 256: 16, 4 and 2 lanes a Q3_K row), odd expert counts, top_k 1-8 and 1-16 tokens
-// (partial stages, last blocks); and the last token alone gives its bits among the others.
+// 512 / 256: 16, 4 and 2 lanes a Q3_K row), odd expert counts, top_k 1-8 and 1-64 tokens
+// (partial stages, last blocks); the last token alone gives its bits among the others, and the
+// gate/up blocks in pair-first order give the row-block-first order's bits.
 class MoeDecodeVariants : public ::testing::TestWithParam<TypePair> {};
 
 TEST_P(MoeDecodeVariants, MatchDefaultBits) {
@@ -264,8 +290,8 @@ TEST_P(MoeDecodeVariants, MatchDefaultBits) {
     int top_k;
     std::vector<int64_t> tokens;
   };
-  for (const Shape& shape : {Shape{7, 4096, 2048, 6, {1, 3}}, Shape{9, 1024, 512, 8, {1, 2, 5, 16}},
-                             Shape{5, 1024, 512, 1, {1, 16}}, Shape{3, 256, 256, 3, {1, 7}}}) {
+  for (const Shape& shape : {Shape{7, 4096, 2048, 6, {1, 3}}, Shape{9, 1024, 512, 8, {1, 2, 5, 16, 64}},
+                             Shape{5, 1024, 512, 1, {1, 16}}, Shape{3, 256, 256, 3, {1, 7, 40}}}) {
     const auto [experts, hidden, ffn, top_k, token_counts] = shape;
     SCOPED_TRACE("experts " + std::to_string(experts) + ", hidden " + std::to_string(hidden) + ", ffn " +
                  std::to_string(ffn) + ", top_k " + std::to_string(top_k));
@@ -320,6 +346,19 @@ TEST_P(MoeDecodeVariants, MatchDefaultBits) {
         } else {
           EXPECT_EQ(0, std::memcmp(base.data(), y.data(), y.size() * sizeof(float)))
               << "variant " << variant << " differs from variant 0";
+        }
+        {  // gate/up blocks pair first instead of row block first: the same bits
+          KernelChoice pair_first;
+          pair_first.moe_decode_rows_first = false;
+          set_kernel_choice(pair_first);
+          d_y.poison();
+          const Status st = detail::moe_decode(w, d_x.get<float>(), routing, kLimit, d_y.get<float>(), ws.get(),
+                                               ws.bytes(), nullptr);
+          set_kernel_choice(KernelChoice{});
+          ASSERT_OK(st);
+          ASSERT_CUDA(cudaDeviceSynchronize());
+          const auto y2 = d_y.to_host<float>(want.size());
+          EXPECT_EQ(0, std::memcmp(y.data(), y2.data(), y.size() * sizeof(float))) << "pair-first order differs";
         }
         if (tokens > 1) {  // the last token alone: the same bits as among the others
           d_y.poison();

@@ -182,6 +182,8 @@ KernelChoice choice_from_environment() {
     if (all || name == "row") c.matvec_row_extra = false;
     if (all || name == "mma") c.matvec_mma = false;
     if (all || name == "moe_decode") c.moe_decode = false;
+    if (all || name == "decode64") c.moe_decode_wide = false;
+    if (all || name == "pairmajor") c.moe_decode_rows_first = false;
     if (all || name == "moe_mma") c.moe_mma = false;
     if (all || name == "moe_wgmma") c.moe_wgmma = false;
     if (all || name == "rows") c.matvec_rows = false;

@@ -61,7 +61,14 @@ struct KernelChoice {
   bool matvec_bf16 = true;       // "bf16": BF16 weights through matvec_bf16.cu (else the general kernel)
   bool matvec_row_extra = true;  // "row": one row of MXFP4, Q4_K, Q6_K through the one-row kernel
   bool matvec_mma = true;        // "mma": 2-64 rows on the int8 tensor cores (else dp4a, at most 16)
-  bool moe_decode = true;        // "moe_decode": 1-2 tokens through moe_decode.cu's two fused kernels
+  bool moe_decode = true;        // "moe_decode": 1-16 tokens through moe_decode.cu's two fused kernels
+  // "decode64": 17-64 tokens with at most 4 pairs an expert (many sequences' decode steps) also
+  // through moe_decode.cu (else the tensor-core tiles of 8 pairs).
+  bool moe_decode_wide = true;
+  // "pairmajor": moe_decode.cu's gate/up blocks ordered row block first, pair second, so that
+  // the pairs of one expert read the same rows at the same time (one read from memory, the
+  // rest from L2); else pair first (each pair's rows one after another).
+  bool moe_decode_rows_first = true;
   bool moe_mma = true;           // "moe_mma": expert tiles of more tokens on the int8 tensor cores
   bool moe_wgmma = true;         // "moe_wgmma": prefill-size expert batches on wgmma (moe_wgmma.h)
   // "rows": 2..kRowKernelMaxRows rows with the one-row arithmetic, so that a row's outputs are

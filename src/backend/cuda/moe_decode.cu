@@ -1,8 +1,12 @@
-// Routed experts for 1-16 tokens (decode, kMoeDecodeMaxTokens): two kernels per layer instead of four
-// (moe_experts.h, KernelChoice::moe_decode).
+// Routed experts for 1-16 tokens (decode, kMoeDecodeMaxTokens), and up to 64 spread over many
+// experts (kMoeDecodeWideMaxTokens): two kernels per layer instead of four (moe_experts.h,
+// KernelChoice::moe_decode).
 //
 // gate/up kernel: one block per (token, expert slot) pair and 32 consecutive rows of the
-// expert's gate and up matrices, 4 warps of 8 rows each. The block first asks for its weight
+// expert's gate and up matrices, 4 warps of 8 rows each. Blocks are numbered row block first
+// (KernelChoice::moe_decode_rows_first): the blocks running at one time hold the same rows of
+// every pair, so pairs of one expert (other tokens) meet in L2 and memory serves their rows
+// once. The block first asks for its weight
 // rows (16-byte cp.async copies into per-warp rings of shared-memory stages, one gate row and
 // the same up row per stage, as the one-row matvec kernel does), quantises the token's
 // activations into shared memory itself (one thread per block of 32, q8_block.cuh, in the
@@ -77,6 +81,7 @@ struct DecodeArgs {
   int64_t h_padded = 0;
   int h_sub_per_unit = 0;           // down unit weights / 32
   float* y = nullptr;               // [tokens][hidden]
+  bool rows_first = true;           // gate/up blocks: row block first, then pair (KernelChoice)
 };
 
 // 16-byte copies of `bytes` bytes at src (any alignment) into a segment (see issue_group).
@@ -166,7 +171,10 @@ __global__ void __launch_bounds__(W * 32, gate_up_min_blocks<T, W, S>()) moe_dec
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_blocks = a.ffn / 32;
-  const int pair = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
+  // Row block first: the pairs of one expert (other tokens) read the same rows together.
+  const int pairs = static_cast<int>(gridDim.x) / row_blocks;
+  const int pair = a.rows_first ? blockIdx.x % pairs : blockIdx.x / row_blocks;
+  const int rb = a.rows_first ? blockIdx.x / pairs : blockIdx.x % row_blocks;
   const int token = pair / a.top_k;
   constexpr int kRowsPerWarp = 32 / W;
   const int row0 = rb * 32 + warp * kRowsPerWarp;
@@ -604,7 +612,7 @@ void set_moe_decode_variant(int variant) {
 }
 
 bool moe_decode_applies(const ExpertWeights& w, int64_t tokens, int top_k) {
-  if (tokens < 1 || tokens > kMoeDecodeMaxTokens || top_k < 1 || top_k > 8) return false;
+  if (tokens < 1 || tokens > kMoeDecodeWideMaxTokens || top_k < 1 || top_k > 8) return false;
   if (w.hidden % 32 != 0 || w.ffn % 32 != 0 || w.hidden > (1 << 20) || w.ffn > (1 << 20)) return false;
   int units, lanes, steps, unit_weights;
   if (!geometry_of(w.gate_up_type, w.hidden, units, lanes, steps, unit_weights)) return false;
@@ -648,6 +656,7 @@ Status moe_decode(const ExpertWeights& w, const float* x, const ExpertRouting& r
   a.weights = routing.weights;
   a.limit = swiglu_limit;
   a.y = y;
+  a.rows_first = kernel_choice().moe_decode_rows_first;
   const int64_t target = stage_target_bytes();
 
   const int variant = moe_decode_variant();

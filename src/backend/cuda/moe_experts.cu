@@ -297,6 +297,14 @@ Status moe_experts_wgmma(const ExpertWeights& w, const float* x, const ExpertRou
 
 }  // namespace
 
+bool moe_experts_fused_decode(const ExpertWeights& w, int64_t tokens, int top_k) {
+  const KernelChoice choice = kernel_choice();
+  if (!choice.moe_decode || !detail::moe_decode_applies(w, tokens, top_k)) return false;
+  if (tokens <= kMoeDecodeMaxTokens) return true;
+  return choice.moe_decode_wide && !choice.batch_invariant && tokens <= kMoeDecodeWideMaxTokens &&
+         tokens * top_k <= 4 * w.n_experts;
+}
+
 size_t moe_experts_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k) {
   return std::max(layout(w, tokens, top_k).total, detail::moe_decode_workspace_bytes(w, tokens, top_k));
 }
@@ -337,8 +345,7 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
     }
     return Status::ok();
   }
-  if (decode && choice.moe_decode && detail::moe_decode_applies(w, tokens, routing.top_k) &&
-      reinterpret_cast<uintptr_t>(x) % 16 == 0)
+  if (moe_experts_fused_decode(w, tokens, routing.top_k) && reinterpret_cast<uintptr_t>(x) % 16 == 0)
     return detail::moe_decode(w, x, routing, swiglu_limit, y, workspace, workspace_bytes, stream);
   if (!decode && choice.moe_wgmma && detail::moe_wgmma_applies(w, pairs))
     return moe_experts_wgmma(w, x, routing, swiglu_limit, y, ws, l, stream);

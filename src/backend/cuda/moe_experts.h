@@ -3,9 +3,10 @@
 // (h = w_e * silu(min(g, L)) * clamp(u, -L, L), the routing weight applied before the down
 // product as the reference does), then the down products, summed over the top_k experts.
 //
-// 1-16 tokens (decode, kMoeDecodeMaxTokens): moe_decode.cu's two kernels (gate/up with the activation and h
+// 1-16 tokens (decode, kMoeDecodeMaxTokens), and up to 64 with at most 4 pairs an expert
+// (moe_experts_fused_decode): moe_decode.cu's two kernels (gate/up with the activation and h
 // quantisation fused in; down summing a token's experts in one block, no partial outputs) for
-// Q8_0, Q2_K, Q3_K, Q4_K, Q6_K and MXFP4; the matvec kernels' per-pair path otherwise
+// Q8_0, Q2_K, Q3_K, Q4_K, Q6_K and MXFP4; up to 16, the matvec kernels' per-pair path otherwise
 // (KernelChoice::moe_decode = false, or other types). More tokens (prefill, many sequences):
 // pairs are sorted by expert on the device and each expert's rows are read once per tile of
 // tokens: up to 8 or 64 tokens on the int8 tensor cores (mmq_kernel.cuh, the types of
@@ -49,6 +50,17 @@ struct ExpertRouting {
 // profile of a 16-sequence step: 0.66 ms per layer, about 0.27 of the copy rate).
 inline constexpr int64_t kMoeDecodeMaxTokens = 16;
 
+// Up to this many tokens moe_decode.cu also runs where the pairs are spread thin (at most 4 an
+// expert, where the tensor-core tiles take 8 columns for one or two pairs): 64 sequences of
+// V4-Flash are 384 pairs over ~200 of 256 experts. Its gate/up blocks go row block first, so
+// the pairs of one expert read the same rows at the same time and memory serves them once
+// (KernelChoice::moe_decode_wide, moe_decode_rows_first).
+inline constexpr int64_t kMoeDecodeWideMaxTokens = 64;
+
+// Whether moe_experts runs these tokens through moe_decode.cu's fused kernels (the kernel
+// choice, the token count and pairs per expert, the types and shapes).
+bool moe_experts_fused_decode(const ExpertWeights& w, int64_t tokens, int top_k);
+
 size_t moe_experts_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k);
 
 // x: [tokens][hidden] f32 (16-byte aligned); y: [tokens][hidden] f32 (overwritten). Weight
@@ -57,7 +69,7 @@ Status moe_experts(const ExpertWeights& w, const float* x, const ExpertRouting& 
                    float* y, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 namespace detail {
-// The fused decode path (moe_decode.cu) on its own: 1-16 tokens, top_k <= 8, gate/up and down
+// The fused decode path (moe_decode.cu) on its own: 1-64 tokens, top_k <= 8, gate/up and down
 // types among Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4 with whole one-row units per row.
 bool moe_decode_applies(const ExpertWeights& w, int64_t tokens, int top_k);
 size_t moe_decode_workspace_bytes(const ExpertWeights& w, int64_t tokens, int top_k);
