@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_ops.h"
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/dependent_launch.cuh"
 #include "backend/cuda/row_finish.cuh"
 
@@ -43,17 +44,6 @@ __device__ __forceinline__ float* paged_row(const DevicePaged& p, int64_t slot, 
   const int32_t page = p.page_table[slot * p.table_ld + pi];
   if (page < 0 || (int64_t{page} + 1) * p.page_rows > p.pool.rows) return nullptr;
   return p.pool.data + (int64_t{page} * p.page_rows + i % p.page_rows) * p.pool.ld;
-}
-
-// cp.async of 16 bytes global -> shared (both 16-byte aligned), and its group fences.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ float4 splat4(float v) { return make_float4(v, v, v, v); }

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/dependent_launch.cuh"
 #include "util/float_formats.h"
@@ -121,16 +122,6 @@ constexpr int kTileSpanBytes = 16 * ((15 + 32 * 34 + 15) / 16);  // an output's 
 constexpr int kTileBufferBytes = kTileXBytes + kTileOutputs * kTileSpanBytes;
 constexpr size_t kTileSmemBytes = 2 * size_t{kTileBufferBytes};
 
-__device__ __forceinline__ void tile_cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void tile_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void tile_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __global__ void __launch_bounds__(kTileThreads) float32_rows_q8_tile_kernel(const Products p, int64_t units,
                                                                            const float* __restrict__ x, int64_t ldx,
                                                                            int64_t m) {
@@ -162,7 +153,7 @@ __global__ void __launch_bounds__(kTileThreads) float32_rows_q8_tile_kernel(cons
     for (int r = 0; r < rows; ++r) {
       const auto* src = reinterpret_cast<const float4*>(x + (row0 + r) * ldx + 1024 * q);
       for (int f = static_cast<int>(threadIdx.x); f < per_row; f += kTileThreads)
-        tile_cp_async16(&xs[(r * 32 + f / 8) * kTileUnitStride + 4 * (f % 8)], src + f);
+        cp_async16(&xs[(r * 32 + f / 8) * kTileUnitStride + 4 * (f % 8)], src + f);
     }
     const int span_chunks = kTileSpanBytes / 16;
     for (int e = static_cast<int>(threadIdx.x); e < kTileOutputs * span_chunks; e += kTileThreads) {
@@ -172,9 +163,9 @@ __global__ void __launch_bounds__(kTileThreads) float32_rows_q8_tile_kernel(cons
       const uint8_t* begin = weight_row(b, &matrix, &local) + 32 * q * 34;
       const uint8_t* aligned = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{15});
       if (aligned + 16 * c < begin + 34 * chunk_units)
-        tile_cp_async16(buffer + kTileXBytes + b * kTileSpanBytes + 16 * c, aligned + 16 * c);
+        cp_async16(buffer + kTileXBytes + b * kTileSpanBytes + 16 * c, aligned + 16 * c);
     }
-    tile_cp_async_commit();
+    cp_async_commit();
   };
 
   int matrix[kTileOutputsPerWarp];
@@ -196,9 +187,9 @@ __global__ void __launch_bounds__(kTileThreads) float32_rows_q8_tile_kernel(cons
   for (int64_t q = 0; q < chunks; ++q) {
     if (q + 1 < chunks) {
       issue(q + 1);  // into the buffer chunk q - 1 used: every warp left it at the barrier below
-      tile_cp_async_wait<1>();
+      cp_async_wait<1>();
     } else {
-      tile_cp_async_wait<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();  // chunk q's bytes, every thread's copies
     const int chunk_units = static_cast<int>(min(int64_t{32}, units - 32 * q));
