@@ -58,7 +58,8 @@
 # (decode again with the decode experts' stages of that many bytes), DSV4_GPU_BASELINE=1 (decode
 # again with the baseline dsv4 that prepare staged from DSV4_GPU_BASELINE_DIR), DSV4_GPU_MOE_VARIANTS="1 2"
 # (decode again with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT),
-# DSV4_GPU_LEGACY_RUNS="bulk f32tiles" (decode again with each set of kernels switched back).
+# DSV4_GPU_LEGACY_RUNS="bulk f32tiles" (decode again with each set of kernels switched back;
+# DSV4_GPU_LEGACY_PARTS: which bench parts, default decode,aggregate).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
 # peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
@@ -450,11 +451,14 @@ if has flash || has serve || has spec; then
   # DSV4_GPU_LEGACY_RUNS="bulk f32tiles": decode and aggregate decode at 4K again with each
   # set of kernels switched back (DSV4_CUDA_LEGACY, matvec.h), beside this build's default run
   # above: what each change gains, in the same call, without the spec part of LEGACY_AB.
+  # DSV4_GPU_LEGACY_PARTS (default decode,aggregate) picks the parts, e.g. "prefill" for
+  # kernels of prefill chunks (the prefill at DSV4_GPU_FLASH_PREFILL's lengths).
   for legacy in ${DSV4_GPU_LEGACY_RUNS:-}; do
     [ -f "$flash" ] || break
     step "dsv4_legacy_$legacy" 120 env DSV4_CUDA_LEGACY="$legacy" "$bin/dsv4" bench -m "$flash" --backend cuda \
-      --label "flash$layers-legacy-$legacy" --parts decode,aggregate --depths 4096 --batches 16,64 \
-      --batch-depth 4096 --steps 16 --repeats 3
+      --label "flash$layers-legacy-$legacy" --parts "${DSV4_GPU_LEGACY_PARTS:-decode,aggregate}" --depths 4096 \
+      --batches 16,64 --batch-depth 4096 --prefill "${DSV4_GPU_FLASH_PREFILL:-8192,32768}" --chunk 4096 \
+      --prefill-repeats 1 --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_legacy_$legacy.log" | cut -d'|' -f3-6
   done
   # DSV4_GPU_FLASH_NO_MTP=1: the same decode on the same layers written without the MTP block
@@ -638,12 +642,16 @@ PY
   fi
   # The wgmma expert kernels of one 4096-token layer (cuda_bench_moe): where their time goes
   # (throughput of the SMs, L2 and L1 against peak; warp stall reasons).
+  # Then the same with the f32 weight decoders ("wgdecode" switched back), for comparison.
   if [[ $parts == *" moe "* ]] && [ -x "$bin/cuda_bench_moe" ]; then
-    step profile_moe 150 env DSV4_BENCH_ONLY='batched layer 256 experts, 4096 tokens q2_K/q3_K$' \
-      ncu --clock-control none -k regex:moe_wgmma --launch-count 2 --section SpeedOfLight \
-      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-      --section Occupancy --log-file "$work/ncu_moe.txt" "$bin/cuda_bench_moe"
-    [ -f "$work/ncu_moe.txt" ] && cat "$work/ncu_moe.txt" >>"$work/profile.txt"
+    for variant in "" " f32 decode"; do
+      name=moe${variant// /_}
+      step "profile_$name" 150 env DSV4_BENCH_ONLY="batched layer 256 experts, 4096 tokens q2_K/q3_K$variant\$" \
+        ncu --clock-control none -k regex:moe_wgmma --launch-count 2 --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section Occupancy --log-file "$work/ncu_$name.txt" "$bin/cuda_bench_moe"
+      [ -f "$work/ncu_$name.txt" ] && cat "$work/ncu_$name.txt" >>"$work/profile.txt"
+    done
   fi
   head -25 "$work/profile.txt"
   rm -f "$prof"
