@@ -121,16 +121,25 @@ void decode_43_layers(GgmlType gu, GgmlType down, const Bandwidth& bw, cudaStrea
 
 // Variants of the batched path: the default kernels (wgmma tiles for prefill-size batches
 // where the types allow, moe_wgmma.h), the int8 tensor-core tiles alone, the dp4a tiles.
-enum class Tiles { kDefault, kInt8, kLegacy };
+// kF32Decode: the wgmma tiles with the f32 weight decoders ("wgdecode", moe_wgmma.cu); kNoN96:
+// without the m64n96k16 products ("wgn96"); kBefore: both (the wgmma tiles as they were).
+enum class Tiles { kDefault, kInt8, kLegacy, kF32Decode, kNoN96, kBefore };
 
 void batched_layer(GgmlType gu, GgmlType down, int64_t tokens, const ExpertSet& set, const Bandwidth& bw,
                    double bf16_tflops, cudaStream_t stream, Tiles tiles = Tiles::kDefault) {
   const std::string name = "batched layer 256 experts, " + std::to_string(tokens) + " tokens " +
                            std::string(ggml_type_name(gu)) + "/" + std::string(ggml_type_name(down)) +
-                           (tiles == Tiles::kLegacy ? " legacy" : tiles == Tiles::kInt8 ? " int8 tiles" : "");
+                           (tiles == Tiles::kLegacy       ? " legacy"
+                            : tiles == Tiles::kInt8       ? " int8 tiles"
+                            : tiles == Tiles::kF32Decode ? " f32 decode"
+                            : tiles == Tiles::kNoN96     ? " no n96"
+                            : tiles == Tiles::kBefore    ? " f32 decode no n96"
+                                                           : "");
   if (!selected(name)) return;
   KernelChoice choice = tiles == Tiles::kLegacy ? legacy_moe() : KernelChoice{};
   if (tiles == Tiles::kInt8) choice.moe_wgmma = false;
+  if (tiles == Tiles::kF32Decode || tiles == Tiles::kBefore) choice.moe_wgmma_pair_decode = false;
+  if (tiles == Tiles::kNoN96 || tiles == Tiles::kBefore) choice.moe_wgmma_n96 = false;
   set_kernel_choice(choice);
   std::mt19937 rng(11);
   const auto r = route(tokens, set.experts, rng);
@@ -219,6 +228,9 @@ int main() {
       batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream);
     for (int64_t tokens : {128, 512, 1024, 2048, 4096, 8192})
       batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, Tiles::kInt8);
+    for (const Tiles variant : {Tiles::kF32Decode, Tiles::kNoN96, Tiles::kBefore})
+      for (int64_t tokens : {512, 2048, 4096, 8192})
+        batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, variant);
     for (int64_t tokens : {16, 128, 512})
       batched_layer(GgmlType::Q2_K, GgmlType::Q3_K, tokens, set, bw, bf16, stream, Tiles::kLegacy);
   }

@@ -390,14 +390,19 @@ INSTANTIATE_TEST_SUITE_P(Types, MoeDecodeVariants,
 // hold from a few to 128 pairs (the 64- and 128-column products, experts split over several
 // tiles), against the double-precision reference; the same bits on a second run. BF16
 // roundings of x, the decoded weights and h (2^-9 relative each) bound the error well below
-// the int8 paths' kBound.
-TEST(MoeWgmma, MatchesCpuReference) {
+// the int8 paths' kBound; the pair decoders of Q2_K / Q3_K (the default) round the sub-block
+// scales and minima to BF16 as well, and are run beside the f32 decoders ("wgdecode").
+class MoeWgmma : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MoeWgmma, MatchesCpuReference) {
   std::mt19937_64 rng(dsv4::test::test_seed() + 11);
   SCOPED_TRACE("seed " + std::to_string(dsv4::test::test_seed()));
   constexpr double kWgmmaBound = 1e-2;
   const int64_t experts = 16, hidden = 1024, ffn = 512;
   const int top_k = 6;
-  set_kernel_choice(KernelChoice{});
+  KernelChoice choice;
+  choice.moe_wgmma_pair_decode = GetParam();
+  set_kernel_choice(choice);
   for (const TypePair types : {TypePair{GgmlType::Q2_K, GgmlType::Q3_K}, TypePair{GgmlType::Q8_0, GgmlType::Q8_0},
                                TypePair{GgmlType::Q3_K, GgmlType::Q2_K}}) {
     SCOPED_TRACE(type_name(types.gate_up) + "/" + type_name(types.down));
@@ -452,9 +457,9 @@ TEST(MoeWgmma, MatchesCpuReference) {
         const auto y = d_y.to_host<float>(want.size());
         if (pass == 0) {
           const double err = relative_error(y, want);
-          std::printf("[ moe wgmma ] %s/%s, %lld tokens: relative L2 %.3g (bound %.0e)\n",
+          std::printf("[ moe wgmma ] %s/%s, %lld tokens, %s decode: relative L2 %.3g (bound %.0e)\n",
                       type_name(types.gate_up).c_str(), type_name(types.down).c_str(), static_cast<long long>(tokens),
-                      err, kWgmmaBound);
+                      GetParam() ? "pair" : "f32", err, kWgmmaBound);
           EXPECT_LT(err, kWgmmaBound);
           first = y;
         } else {
@@ -463,7 +468,11 @@ TEST(MoeWgmma, MatchesCpuReference) {
       }
     }
   }
+  set_kernel_choice(KernelChoice{});
 }
+
+INSTANTIATE_TEST_SUITE_P(Decoders, MoeWgmma, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "pair" : "f32"; });
 
 INSTANTIATE_TEST_SUITE_P(Types, MoeTest,
                          ::testing::Values(TypePair{GgmlType::IQ2_XXS, GgmlType::Q2_K},

@@ -186,6 +186,8 @@ KernelChoice choice_from_environment() {
     if (all || name == "pairmajor") c.moe_decode_rows_first = false;
     if (all || name == "moe_mma") c.moe_mma = false;
     if (all || name == "moe_wgmma") c.moe_wgmma = false;
+    if (all || name == "wgdecode") c.moe_wgmma_pair_decode = false;
+    if (all || name == "wgn96") c.moe_wgmma_n96 = false;
     if (all || name == "rows") c.matvec_rows = false;
     if (all || name == "grouped") c.grouped_batch = false;
     if (all || name == "bulk") c.mmq_bulk = false;

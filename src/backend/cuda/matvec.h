@@ -71,6 +71,13 @@ struct KernelChoice {
   bool moe_decode_rows_first = true;
   bool moe_mma = true;           // "moe_mma": expert tiles of more tokens on the int8 tensor cores
   bool moe_wgmma = true;         // "moe_wgmma": prefill-size expert batches on wgmma (moe_wgmma.h)
+  // "wgdecode": those wgmma tiles decode Q2_K / Q3_K weights in BF16 pair arithmetic (the
+  // codes made BF16 by bit operations, the sub-block scales shared by the four lanes of a row;
+  // moe_wgmma.cu), else one weight at a time in f32 as quant_decode.h, rounded once.
+  bool moe_wgmma_pair_decode = true;
+  // "wgn96": those tiles with 65-96 pairs run m64n96k16 (else m64n128k16, a quarter of its
+  // columns empty at 96).
+  bool moe_wgmma_n96 = true;
   // "rows": 2..kRowKernelMaxRows rows with the one-row arithmetic, so that a row's outputs are
   // the bits it gets alone (else the tensor-core kernels, whose sums run in another order).
   bool matvec_rows = true;
