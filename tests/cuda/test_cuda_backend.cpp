@@ -275,15 +275,15 @@ class CudaMatmul : public CudaBackendOps {
     EXPECT_TRUE(cpu_->matmul(p.w.cpu, p.x.cpu, p.y.cpu, MatmulMode::Exact).is_ok());
     return fetch<float>(*cpu_, p.y.cpu);
   }
-  // [37, k] weights of `type` times m fresh rows in `mode` against the CPU's Exact product:
+  // [n, k] weights of `type` times m fresh rows in `mode` against the CPU's Exact product:
   // within kExactBound per row, and bit for bit when `identical` (saying why).
   void check_against_exact(GgmlType type, int64_t k, int64_t m, MatmulMode mode, uint64_t seed,
-                           const char* identical) {
+                           const char* identical, int64_t n = 37) {
     std::mt19937_64 rng(seed);
-    const int64_t n = 37;
     const std::string what = std::string("matmul ") + (mode == MatmulMode::Exact ? "exact " : "float32 ") +
                              type_name(type) + " w " + shape_text(n, k) + " x " + shape_text(m, k) + " seed " +
-                             std::to_string(seed);
+                             std::to_string(seed) + " split terms " +
+                             std::to_string(cuda::kernel_choice().float32_split_terms);
     const Product p = setup(type, n, k, m, rng);
     const auto want = reference(p);
     ASSERT_TRUE(gpu_->matmul(p.w.gpu, p.x.gpu, p.y.gpu, mode).is_ok()) << what;
@@ -310,17 +310,27 @@ TEST_F(CudaMatmul, ExactEveryTypeOddShapesStridedViews) {
 }
 
 // Float32 (the production mode's fp32 products): from 65 rows the weights decoded to f32 and
-// cuBLASLt's fp32 GEMM (any summation order: per-row relative L2 within kExactBound of the
-// CPU's exact product), fewer rows the staged exact kernel (the CPU's bits); strided views,
-// every weight type.
+// either split into BF16 parts for one BF16 GEMM (3 or 6 terms, from 64 outputs and k a
+// multiple of 8) or cuBLASLt's fp32 GEMM (37 outputs, k = 2071, or KernelChoice 0): any
+// summation order, per-row relative L2 within kExactBound of the CPU's exact product. Fewer
+// rows the staged exact kernel (the CPU's bits); strided views, every weight type.
 TEST_F(CudaMatmul, Float32ModeManyRowsAgainstExact) {
-  for (GgmlType type : kAllWeightTypes) {
-    const int64_t block = ggml_traits(type).block_elems;
-    const int64_t k = block == 1 ? 2071 : block == 256 ? 2304 : 2272;
-    for (int64_t m : {64, 65, 200})
-      check_against_exact(type, k, m, MatmulMode::Float32, seed_for(700 + static_cast<uint64_t>(type) * 100 + m),
-                          m < 65 ? "the staged exact kernel below 65 rows" : nullptr);
+  const cuda::KernelChoice saved = cuda::kernel_choice();
+  for (int terms : {3, 6, 0}) {
+    cuda::KernelChoice choice = saved;
+    choice.float32_split_terms = terms;
+    cuda::set_kernel_choice(choice);
+    for (GgmlType type : kAllWeightTypes) {
+      const int64_t block = ggml_traits(type).block_elems;
+      const int64_t k = block == 1 ? 2071 : block == 256 ? 2304 : 2272;
+      for (int64_t m : {64, 65, 200})
+        for (int64_t n : {37, 72})
+          check_against_exact(type, k, m, MatmulMode::Float32,
+                              seed_for(700 + static_cast<uint64_t>(type) * 100 + m + n + 1000 * terms),
+                              m < 65 ? "the staged exact kernel below 65 rows" : nullptr, n);
+    }
   }
+  cuda::set_kernel_choice(saved);
 }
 
 // Float32 with F32, BF16 or Q8_0 weights and a few rows (the mixes, router, compressors):
@@ -377,16 +387,31 @@ TEST_F(CudaMatmul, Float32FewRowsOfF32Bf16Q8Weights) {
 
 // matmul_many (a layer's Float32 products of one x: the compressors' values and scores and the
 // index weights, in one launch): each output the bits of its own matmul, and within 1e-5 of
-// the CPU's exact product; more than 64 rows (cuBLASLt) or weights of two types take the
-// separate calls.
+// the CPU's exact product. More than 64 rows: x split once for all the BF16 split products
+// (3 or 6 terms), or the separate calls (the fp32 GEMM; an output of 24, below the split's
+// 64, in the last set); weights of two types take the separate calls.
 TEST_F(CudaMatmul, MatmulManyGivesEachProductsBits) {
   const uint64_t seed = seed_for(760);
   std::mt19937_64 rng(seed);
   const int64_t k = 4096;
-  for (int64_t m : {1, 4, 64, 70}) {
-    const std::string what = "matmul_many x " + shape_text(m, k) + " seed " + std::to_string(seed);
+  const cuda::KernelChoice saved = cuda::kernel_choice();
+  struct Case {
+    int64_t m;
+    int terms;
+    std::vector<int64_t> outputs;
+  };
+  const std::vector<int64_t> compressors{1024, 1024, 256, 256, 64};
+  const Case cases[] = {{1, 3, compressors},  {4, 3, compressors},  {64, 3, compressors}, {70, 3, compressors},
+                        {70, 6, compressors}, {70, 0, compressors}, {130, 3, {512, 24}}};
+  for (const Case& cs : cases) {
+    const int64_t m = cs.m;
+    cuda::KernelChoice choice = saved;
+    choice.float32_split_terms = cs.terms;
+    cuda::set_kernel_choice(choice);
+    const std::string what = "matmul_many x " + shape_text(m, k) + " split terms " + std::to_string(cs.terms) +
+                             " seed " + std::to_string(seed);
     std::vector<Product> ps;
-    for (int64_t n : {1024, 1024, 256, 256, 64}) ps.push_back(setup(GgmlType::Q8_0, n, k, m, rng));
+    for (int64_t n : cs.outputs) ps.push_back(setup(GgmlType::Q8_0, n, k, m, rng));
     for (Product& p : ps) p.x = ps[0].x;  // one input
     std::vector<const Tensor*> ws, ys;
     for (const Product& p : ps) {
@@ -404,6 +429,7 @@ TEST_F(CudaMatmul, MatmulManyGivesEachProductsBits) {
     gpu_->begin_step();
     cpu_->begin_step();
   }
+  cuda::set_kernel_choice(saved);
   // Mixed types: the separate calls.
   const Product a = setup(GgmlType::Q8_0, 96, 512, 3, rng), b = setup(GgmlType::F32, 40, 512, 3, rng);
   const std::vector<const Tensor*> ws{&a.w.gpu, &b.w.gpu}, ys{&a.y.gpu, &b.y.gpu};

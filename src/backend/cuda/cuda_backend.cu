@@ -1283,20 +1283,55 @@ Status matvec_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<flo
 }
 
 // MatmulMode::Float32 on many rows: the weights decoded exactly to f32 (per chunk of output
-// rows; F32 weights in place), then cuBLASLt's fp32 GEMM straight from x into y. A prefill
+// rows; F32 weights in place), then either cuBLASLt's fp32 GEMM straight from x into y, or
+// (KernelChoice::float32_split_terms, from kSplitMinOutputs outputs) x and the weights split
+// into BF16 parts and one BF16 GEMM over the parts' products (gemm_prefill.h). A prefill
 // chunk's mixes, compressors and routers took a quarter of it through the exact kernel's
-// tiles (issue 10's prefill profile: 4 ms per Q8_0 compressor at 4096 rows).
+// tiles (issue 10's prefill profile: 4 ms per Q8_0 compressor at 4096 rows), and the fp32
+// GEMM still runs without the tensor cores.
 constexpr int64_t kFloat32GemmFromRows = 65;  // fewer: the staged exact kernel (exact_gemm.cu)
+// Fewer outputs (the mixes' 24): the product reads x about once either way, and splitting x
+// would triple its bytes.
+constexpr int64_t kSplitMinOutputs = 64;
 
-Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y) {
+// The split's terms for a product of k inputs and n outputs, 0 for the fp32 GEMM.
+int float32_split_terms(int64_t n, int64_t k) {
+  const int terms = cuda::kernel_choice().float32_split_terms;
+  return cuda::bf16_split_terms_valid(terms) && n >= kSplitMinOutputs && k % 8 == 0 ? terms : 0;
+}
+
+// x's parts for the split products (in the lane's BF16 activation buffer).
+Result<const __nv_bfloat16*> split_activations(CudaBackend::Impl& m, const Mat<float>& x, int terms) {
+  DSV4_ASSIGN_OR_RETURN(void* raw, m.reusable(m.work().bf16_activations,
+                                              static_cast<size_t>(x.rows * terms * x.cols) * sizeof(__nv_bfloat16)));
+  auto* parts = static_cast<__nv_bfloat16*>(raw);
+  DSV4_TRY(cuda::split_to_bf16(x.p, x.ld, x.rows, x.cols, terms, cuda::Bf16SplitSide::activations, parts, m.stream));
+  return parts;
+}
+
+// `x_parts`: x already split into `terms` parts (matmul_many's products of one x), else null.
+Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<float>& x, const Mat<float>& y,
+                        int terms = 0, const __nv_bfloat16* x_parts = nullptr) {
   const int64_t rows = x.rows, n = w.n, k = w.k;
   const bool in_place = w.type == GgmlType::F32 && w.row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
-  const int64_t chunk = in_place ? n : std::min(n, std::max<int64_t>(1, (int64_t{128} << 20) / (k * 4)));
+  const int64_t budget = int64_t{128} << 20;  // bytes of f32 (or split BF16) weights a chunk
+  const int64_t chunk = terms > 0 ? std::min(n, std::max<int64_t>(1, budget / (k * 2 * terms)))
+                        : in_place ? n
+                                   : std::min(n, std::max<int64_t>(1, budget / (k * 4)));
+  if (terms > 0 && x_parts == nullptr) {
+    DSV4_ASSIGN_OR_RETURN(x_parts, split_activations(m, x, terms));
+  }
   DSV4_ASSIGN_OR_RETURN(void* workspace, m.cublas_lt_workspace());
   float* decoded = nullptr;
   if (!in_place) {
     DSV4_ASSIGN_OR_RETURN(void* raw, m.reusable(m.work().f32_weights, static_cast<size_t>(chunk * k) * sizeof(float)));
     decoded = static_cast<float*>(raw);
+  }
+  __nv_bfloat16* w_parts = nullptr;
+  if (terms > 0) {
+    DSV4_ASSIGN_OR_RETURN(void* raw, m.reusable(m.work().bf16_weights,
+                                                static_cast<size_t>(chunk * terms * k) * sizeof(__nv_bfloat16)));
+    w_parts = static_cast<__nv_bfloat16*>(raw);
   }
   const cuda::exact::Tables tables{m.iq2_grid, m.iq2_signs, m.iq_tables};
   for (int64_t o0 = 0; o0 < n; o0 += chunk) {
@@ -1314,8 +1349,25 @@ Status f32_gemm_product(CudaBackend::Impl& m, const WeightMatrix& w, const Mat<f
       wt = decoded;
       ldw = k;
     }
-    DSV4_TRY(cuda::gemm_f32(m.cublas_lt, x.p, x.ld, wt, ldw, y.p + o0, y.ld, rows, nc, k, workspace,
-                            cuda::kCublasLtWorkspaceBytes, m.stream));
+    if (terms > 0) {
+      DSV4_TRY(cuda::split_to_bf16(wt, ldw, nc, k, terms, cuda::Bf16SplitSide::weights, w_parts, m.stream));
+      // Straight into y where its rows are 16-byte aligned (a column slice of a wider y may
+      // not be), else through scratch.
+      float* c = y.p + o0;
+      int64_t ldc = y.ld;
+      const bool direct = reinterpret_cast<uintptr_t>(c) % 16 == 0 && ldc % 4 == 0;
+      if (!direct) {
+        ldc = (nc + 3) / 4 * 4;
+        DSV4_ASSIGN_OR_RETURN(void* raw, m.scratch_bytes(static_cast<size_t>(rows * ldc) * sizeof(float)));
+        c = static_cast<float*>(raw);
+      }
+      DSV4_TRY(cuda::gemm_bf16_split(m.cublas_lt, x_parts, w_parts, c, ldc, rows, nc, k, terms, workspace,
+                                     cuda::kCublasLtWorkspaceBytes, m.stream));
+      if (!direct) DSV4_TRY(copy_matrix(m, y.p + o0, y.ld, c, ldc, rows, nc));
+    } else {
+      DSV4_TRY(cuda::gemm_f32(m.cublas_lt, x.p, x.ld, wt, ldw, y.p + o0, y.ld, rows, nc, k, workspace,
+                              cuda::kCublasLtWorkspaceBytes, m.stream));
+    }
   }
   return Status::ok();
 }
@@ -1388,7 +1440,8 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     DSV4_CUDA_TRY(cudaStreamIsCapturing(m.stream, &capture));
     // The chunk buffer may have to grow (a synchronisation), which a graph cannot hold.
-    if (capture == cudaStreamCaptureStatusNone) return f32_gemm_product(m, wm, xv, yv);
+    if (capture == cudaStreamCaptureStatusNone)
+      return f32_gemm_product(m, wm, xv, yv, float32_split_terms(n_out, n_in));
   }
   // Float32 on a few rows of F32, BF16 or Q8_0 weights (decode's mixes, router, compressors):
   // float32_rows.h.
@@ -1409,13 +1462,42 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
 
 // Float32 products of a few rows with weights of one type and width (a layer's compressors
 // and index weights): one launch of float32_rows for all of them, each output the bits of its
-// own matmul. Anything else: the separate calls.
+// own matmul. Of many rows, split into BF16 parts: x split once for all of them, each
+// output the bits of its own matmul. Anything else: the separate calls.
 Status CudaBackend::matmul_many(std::span<const Tensor* const> ws, const Tensor& x, std::span<const Tensor* const> ys,
                                 MatmulMode mode) {
   if (mode != MatmulMode::Float32 || ws.size() < 2 || ws.size() != ys.size() ||
       ws.size() > static_cast<size_t>(cuda::kFloat32RowsMaxMatrices))
     return Backend::matmul_many(ws, x, ys, mode);
   DSV4_ASSIGN_OR_RETURN(const Mat<float> xv, cudaops::f32(x, this, "matmul_many", "x", -1, -1));
+  if (xv.rows >= kFloat32GemmFromRows) {
+    // Of many rows, split into BF16 parts (f32_gemm_product): x's parts made once for all,
+    // each output the bits of its own matmul, where every weight takes the same split.
+    Impl& m = *impl_;
+    const int terms = cuda::kernel_choice().float32_split_terms;
+    std::vector<WeightMatrix> wms;
+    std::vector<Mat<float>> yvs;
+    bool takes = cuda::bf16_split_terms_valid(terms);
+    for (size_t i = 0; takes && i < ws.size(); ++i) {
+      const Tensor& w = *ws[i];
+      takes = w.valid() && w.backend == this && w.rank == 2 && w.cols() == xv.cols && w.type != GgmlType::I32 &&
+              cuda::exact::supported(w.type) &&
+              cuda::exact::tables_ready(w.type, {m.iq2_grid, m.iq2_signs, m.iq_tables}) &&
+              w.row_stride() >= static_cast<int64_t>(ggml_row_bytes(w.type, w.cols()).value_or(INT64_MAX)) &&
+              float32_split_terms(w.rows(), w.cols()) == terms;
+      if (!takes) break;
+      DSV4_ASSIGN_OR_RETURN(Mat<float> yv, cudaops::f32(*ys[i], this, "matmul_many", "y", xv.rows, w.rows()));
+      yv.rows = xv.rows;
+      wms.push_back({w.type, static_cast<const uint8_t*>(w.data), w.rows(), w.cols(), w.row_stride()});
+      yvs.push_back(yv);
+    }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    DSV4_CUDA_TRY(cudaStreamIsCapturing(m.stream, &capture));
+    if (!takes || capture != cudaStreamCaptureStatusNone) return Backend::matmul_many(ws, x, ys, mode);
+    DSV4_ASSIGN_OR_RETURN(const __nv_bfloat16* x_parts, split_activations(m, xv, terms));
+    for (size_t i = 0; i < wms.size(); ++i) DSV4_TRY(f32_gemm_product(m, wms[i], xv, yvs[i], terms, x_parts));
+    return Status::ok();
+  }
   if (xv.rows < 1 || xv.rows > cuda::kFloat32RowsMax) return Backend::matmul_many(ws, x, ys, mode);
   std::vector<cuda::Float32Matrix> ms;
   for (size_t i = 0; i < ws.size(); ++i) {

@@ -1,6 +1,7 @@
 #include "backend/cuda/gemm_prefill.h"
 
 #include <string>
+#include <utility>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/matvec.h"
@@ -123,11 +124,19 @@ Status convert_f32_to_bf16(const float* x, int64_t count, __nv_bfloat16* out, cu
 
 namespace {
 
+// The largest power of two up to 256 that divides the address.
+uint32_t pointer_alignment(const void* p) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && at % align != 0) align /= 2;
+  return align;
+}
+
 // C [m][n] f32 (rows ldc apart) = A [m][k] (rows lda apart) · W [n][k]^T (rows ldw apart), A and W
 // of `type`, f32 accumulation (CUBLAS_COMPUTE_32F: no TF32).
 Status lt_matmul(cublasLtHandle_t handle, cudaDataType_t type, const void* a, int64_t lda, const void* w, int64_t ldw,
                  float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream, const char* what) {
+                 cudaStream_t stream, const char* what, bool tell_alignment = false) {
   if (m <= 0 || n <= 0 || k <= 0) return Status::error(std::string(what) + ": empty shape");
   // Column-major view: C^T (n x m) = W (k x n)^T · A^T (k x m).
   cublasLtMatmulDesc_t op = nullptr;
@@ -151,6 +160,18 @@ Status lt_matmul(cublasLtHandle_t handle, cudaDataType_t type, const void* a, in
     DSV4_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref));
     DSV4_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                          &workspace_bytes, sizeof workspace_bytes));
+    // The buffers' real alignment where asked (cuBLASLt assumes 256 bytes unless told): a
+    // split product's output is a column slice of y, which may start on any 4-byte boundary.
+    if (tell_alignment) {
+      const uint32_t align_w = pointer_alignment(w), align_a = pointer_alignment(a), align_c = pointer_alignment(c);
+      const std::pair<cublasLtMatmulPreferenceAttributes_t, const uint32_t*> aligns[] = {
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_w},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_a},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c}};
+      for (const auto& [attribute, value] : aligns)
+        DSV4_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(pref, attribute, value, sizeof *value));
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     DSV4_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle, op, lw, la, lc, lc, pref, 1, &result, &found));
@@ -178,6 +199,65 @@ Status gemm_f32(cublasLtHandle_t handle, const float* a, int64_t lda, const floa
                 cudaStream_t stream) {
   return lt_matmul(handle, CUDA_R_32F, a, lda, w, ldw, c, ldc, m, n, k, workspace, workspace_bytes, stream,
                    "gemm_f32");
+}
+
+namespace {
+
+// One thread: 8 consecutive values of a row, each of the TERMS parts written as one 16-byte
+// piece (bf16_split.h's layout).
+template <int TERMS, Bf16SplitSide SIDE>
+__global__ void split_to_bf16_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k,
+                                     __nv_bfloat16* __restrict__ out) {
+  const int64_t per_row = k / 8;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * per_row) return;
+  const int64_t r = i / per_row, c = (i % per_row) * 8;
+  const float* src = x + r * ldx + c;
+  uint32_t packed[3][4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const Bf16Parts a = bf16_split(src[2 * e]), b = bf16_split(src[2 * e + 1]);
+#pragma unroll
+    for (int p = 0; p < 3; ++p) packed[p][e] = a.part[p] | static_cast<uint32_t>(b.part[p]) << 16;
+  }
+  __nv_bfloat16* row = out + r * TERMS * k + c;
+#pragma unroll
+  for (int t = 0; t < TERMS; ++t) {
+    const uint32_t(&p)[4] = packed[bf16_split_part(SIDE, t)];
+    *reinterpret_cast<uint4*>(row + t * k) = make_uint4(p[0], p[1], p[2], p[3]);
+  }
+}
+
+}  // namespace
+
+Status split_to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t k, int terms, Bf16SplitSide side,
+                     __nv_bfloat16* out, cudaStream_t stream) {
+  if (!bf16_split_terms_valid(terms) || rows <= 0 || k <= 0 || k % 8 != 0 || ldx < k)
+    return Status::errorf("split_to_bf16: {} terms of {} rows x {} (rows {} apart): terms must be 3 or 6, k a "
+                          "positive multiple of 8", terms, rows, k, ldx);
+  if (reinterpret_cast<uintptr_t>(out) % 16 != 0) return Status::error("split_to_bf16: output must be 16-byte aligned");
+  const int64_t threads = rows * (k / 8);
+  const unsigned blocks = static_cast<unsigned>((threads + 255) / 256);
+  const bool weights = side == Bf16SplitSide::weights;
+  if (terms == 3 && !weights)
+    split_to_bf16_kernel<3, Bf16SplitSide::activations><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, out);
+  else if (terms == 3)
+    split_to_bf16_kernel<3, Bf16SplitSide::weights><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, out);
+  else if (!weights)
+    split_to_bf16_kernel<6, Bf16SplitSide::activations><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, out);
+  else
+    split_to_bf16_kernel<6, Bf16SplitSide::weights><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, out);
+  DSV4_CUDA_TRY_LAUNCH();
+  return Status::ok();
+}
+
+Status gemm_bf16_split(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfloat16* w, float* c,
+                       int64_t ldc, int64_t m, int64_t n, int64_t k, int terms, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream) {
+  if (!bf16_split_terms_valid(terms)) return Status::errorf("gemm_bf16_split: {} terms (3 or 6)", terms);
+  const int64_t kk = terms * k;
+  return lt_matmul(handle, CUDA_R_16BF, a, kk, w, kk, c, ldc, m, n, kk, workspace, workspace_bytes, stream,
+                   "gemm_bf16_split", /*tell_alignment=*/true);
 }
 
 Status gemm_prefill(cublasLtHandle_t handle, GgmlType type, const void* w, int64_t n, int64_t k,

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cuda/bf16_split.h"
 #include "gguf/ggml_types.h"
 #include "util/status.h"
 
@@ -34,6 +35,20 @@ Status gemm_bf16(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfl
 Status gemm_f32(cublasLtHandle_t handle, const float* a, int64_t lda, const float* w, int64_t ldw, float* c,
                 int64_t ldc, int64_t m, int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
                 cudaStream_t stream);
+
+// Float32 products on the BF16 tensor cores (bf16_split.h): x and W split into BF16 parts and
+// one BF16 GEMM over `terms` * k, the part products exact and summed in f32.
+
+// x [rows][k] f32 (rows ldx floats apart) -> out [rows][terms * k] bf16: the parts of `side`
+// in the order of the terms (k a multiple of 8; out 16-byte aligned).
+Status split_to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t k, int terms, Bf16SplitSide side,
+                     __nv_bfloat16* out, cudaStream_t stream);
+
+// C [m][n] f32 (rows ldc apart) = the split product of A [m][terms*k] and W [n][terms*k]
+// (split_to_bf16's layouts): one cuBLASLt BF16 GEMM over terms * k.
+Status gemm_bf16_split(cublasLtHandle_t handle, const __nv_bfloat16* a, const __nv_bfloat16* w, float* c,
+                       int64_t ldc, int64_t m, int64_t n, int64_t k, int terms, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream);
 
 // Dequantise W into `w_bf16` (n*k elements of scratch), then gemm_bf16. BF16 weights are
 // used in place.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -172,6 +173,14 @@ KernelChoice choice_from_environment() {
   KernelChoice c;
   if (const char* inv = std::getenv("DSV4_CUDA_BATCH_INVARIANT"); inv != nullptr && std::string(inv) == "1")
     c.batch_invariant = true;
+  if (const char* split = std::getenv("DSV4_CUDA_FLOAT32_SPLIT"); split != nullptr) {
+    const std::string terms(split);
+    if (terms == "0" || terms == "3" || terms == "6")
+      c.float32_split_terms = std::stoi(terms);
+    else
+      std::fprintf(stderr, "dsv4: DSV4_CUDA_FLOAT32_SPLIT=%s is not 0, 3 or 6; keeping %d\n", split,
+                   c.float32_split_terms);
+  }
   const char* env = std::getenv("DSV4_CUDA_LEGACY");
   if (env == nullptr) return c;
   std::stringstream list(env);
@@ -193,6 +202,7 @@ KernelChoice choice_from_environment() {
     if (all || name == "bulk") c.mmq_bulk = false;
     if (all || name == "ring2") c.mmq_bulk_ring2 = false;
     if (all || name == "f32tiles") c.float32_tiles = false;
+    if (all || name == "f32gemm") c.float32_split_terms = 0;
   }
   return c;
 }

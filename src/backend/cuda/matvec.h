@@ -94,6 +94,12 @@ struct KernelChoice {
   // k <= 4096 take a block of 16 outputs x 8 rows with x and weights staged in shared memory
   // (float32_rows.cu; the same bits as the kernel of one output and row a block).
   bool float32_tiles = true;
+  // Float32-mode products of 65 rows and more (prefill's compressors, index weights, routers)
+  // on the BF16 tensor cores as split products of this many terms (bf16_split.h: 3, ~5e-6 per
+  // row; 6, below the f32 GEMM's error), else (0) cuBLASLt's f32 GEMM on the SIMT cores.
+  // Environment DSV4_CUDA_FLOAT32_SPLIT=0|3|6; "f32gemm" in DSV4_CUDA_LEGACY: 0. Off until it
+  // has run on a GPU (written 2026-12-08 in a session without one; docs/PERFORMANCE.md).
+  int float32_split_terms = 0;
   // Not a legacy switch: batch-invariant decode (environment DSV4_CUDA_BATCH_INVARIANT=1, or
   // CudaBackendOptions::batch_invariant). Every product of 1-64 activation rows runs a kernel
   // whose per-row arithmetic does not depend on the rows beside it: the int8 tensor-core
