@@ -59,7 +59,8 @@
 # again with the baseline dsv4 that prepare staged from DSV4_GPU_BASELINE_DIR), DSV4_GPU_MOE_VARIANTS="1 2"
 # (decode again with the decode experts' kernel variant, DSV4_MOE_DECODE_VARIANT),
 # DSV4_GPU_LEGACY_RUNS="bulk f32tiles" (decode again with each set of kernels switched back;
-# DSV4_GPU_LEGACY_PARTS: which bench parts, default decode,aggregate).
+# DSV4_GPU_LEGACY_PARTS: which bench parts, default decode,aggregate), DSV4_GPU_SPLIT_RUNS="3 6"
+# (prefill again with the Float32 products split into BF16 terms; DSV4_GPU_SPLIT_PARTS).
 # Every step has a time cap and the call a budget (DSV4_GPU_BUDGET seconds, default 550):
 # a step gets what is left of it at most, so one that hangs cannot eat the call. With the
 # peer or the whole geometry in the call, the checks get the llama.cpp build's time (the
@@ -460,6 +461,17 @@ if has flash || has serve || has spec; then
       --batches 16,64 --batch-depth 4096 --prefill "${DSV4_GPU_FLASH_PREFILL:-8192,32768}" --chunk 4096 \
       --prefill-repeats 1 --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_legacy_$legacy.log" | cut -d'|' -f3-6
+  done
+  # DSV4_GPU_SPLIT_RUNS="3 6": the same again with the Float32 products of 65+ rows split into
+  # that many BF16 terms (DSV4_CUDA_FLOAT32_SPLIT, matvec.h; off by default until measured),
+  # parts DSV4_GPU_SPLIT_PARTS (default prefill), beside this build's default run above.
+  for terms in ${DSV4_GPU_SPLIT_RUNS:-}; do
+    [ -f "$flash" ] || break
+    step "dsv4_split$terms" 120 env DSV4_CUDA_FLOAT32_SPLIT="$terms" "$bin/dsv4" bench -m "$flash" --backend cuda \
+      --label "flash$layers-split$terms" --parts "${DSV4_GPU_SPLIT_PARTS:-prefill}" --depths 4096 \
+      --batches 16,64 --batch-depth 4096 --prefill "${DSV4_GPU_FLASH_PREFILL:-8192,32768}" --chunk 4096 \
+      --prefill-repeats 1 --steps 16 --repeats 3
+    grep -a '^TABLE|' "$work/dsv4_split$terms.log" | cut -d'|' -f3-6
   done
   # DSV4_GPU_FLASH_NO_MTP=1: the same decode on the same layers written without the MTP block
   # (does carrying the MTP block change a trunk step?).
