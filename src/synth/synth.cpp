@@ -61,7 +61,19 @@ struct RowContext {
   const ModelConfig& c;
   const TensorSpec& spec;
   uint64_t tensor_key;
+  SynthRouting routing = SynthRouting::Random;
 };
+
+// The routed experts a block's tokens use (its top-k).
+uint32_t routed_per_token(const RowContext& ctx) {
+  return ctx.spec.block ? ctx.c.experts_used_of(*ctx.spec.block) : ctx.c.n_experts_used;
+}
+
+// SynthRouting::Shared: experts 0..k-1 get kSharedRoutingBias, the others none.
+void fill_shared_routing_bias(const RowContext& ctx, float* out) {
+  const uint64_t n = ctx.spec.ne[0], k = routed_per_token(ctx);
+  for (uint64_t i = 0; i < n; ++i) out[i] = i < k ? kSharedRoutingBias : 0.0f;
+}
 
 void fill_normal(RowRng& rng, float* out, uint64_t n, float mean, float stddev) {
   for (uint64_t i = 0; i < n; ++i) out[i] = mean + stddev * rng.normal();
@@ -100,8 +112,12 @@ void fill_expert_row(const RowContext& ctx, uint64_t row, float* out) {
   }
 }
 
-// Hash routing: the first k entries of a random permutation of the experts.
+// Hash routing: the first k entries of a random permutation of the experts (Shared: 0..k-1).
 void fill_tid2eid_row(const RowContext& ctx, uint64_t row, float* out) {
+  if (ctx.routing == SynthRouting::Shared) {
+    for (uint64_t i = 0; i < ctx.spec.ne[0]; ++i) out[i] = static_cast<float>(i);
+    return;
+  }
   const uint32_t n_experts = ctx.c.n_experts;
   std::vector<uint32_t> perm(n_experts);
   for (uint32_t i = 0; i < n_experts; ++i) perm[i] = i;
@@ -214,6 +230,7 @@ void fill_row(const RowContext& ctx, uint64_t row, float* out) {
     case BT::FfnGateInp:
       return fill_normal(rng, out, n, 0, 1.5 / std::sqrt(D));
     case BT::FfnExpProbsB:
+      if (ctx.routing == SynthRouting::Shared) return fill_shared_routing_bias(ctx, out);
       return fill_normal(rng, out, n, 0, 0.2f);
     case BT::FfnTid2Eid:
       return fill_tid2eid_row(ctx, row, out);
@@ -233,6 +250,7 @@ void fill_row(const RowContext& ctx, uint64_t row, float* out) {
     case BT::DsparkMainProj:
       return fill_dense_linear(ctx, row, out, static_cast<double>(n));
     case BT::FfnExpProbsBVl:
+      if (ctx.routing == SynthRouting::Shared) return fill_shared_routing_bias(ctx, out);
       return fill_normal(rng, out, n, 0, 0.2f);
     case BT::EngramEmbd: {
       // N times 2^U(-1,1) per (row, 32 values).
@@ -468,6 +486,7 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
   writer.set(std::string(kSynthSeedKey), gguf::Value::u64(opts.seed));
   writer.set(std::string(kSynthVersionKey), gguf::Value::u32(kSynthVersion));
   if (opts.fill == SynthFill::RandomBlocks) writer.set(std::string(kSynthFillKey), gguf::Value::string("random-blocks"));
+  if (opts.routing == SynthRouting::Shared) writer.set(std::string(kSynthRoutingKey), gguf::Value::string("shared"));
   if (opts.write_tokenizer) {
     text::TokenizerJsonOptions topts;
     topts.min_vocab_size = c.vocab_size;
@@ -490,7 +509,7 @@ Status write_synth_file(const SynthFile& file, const SynthOptions& opts, size_t&
     const uint64_t row_bytes = *ggml_row_bytes(type, stored_shape(spec, type)[0]);
     const uint64_t n_rows = spec.n_elements() / spec.ne[0];
     // Keyed by the catalog name, so a tensor has the same values in whichever file it lands.
-    const RowContext ctx{c, spec, mix_keys(opts.seed, hash_name(spec.name))};
+    const RowContext ctx{c, spec, mix_keys(opts.seed, hash_name(spec.name)), opts.routing};
     if (gets_random_blocks(opts, spec, type)) {
       DSV4_TRY(write_random_blocks(ctx, type, n_rows, row_bytes, pool, writer));
       report.data_bytes += n_rows * row_bytes;

@@ -31,6 +31,7 @@ struct SynthCliOptions {
   std::string recipe;
   std::vector<std::string> types;
   std::string fill = "normal";
+  std::string routing = "random";
   bool no_mtp = false;
   bool dry_run = false;
   int threads = 0;
@@ -91,6 +92,7 @@ int run_synth(const SynthCliOptions& o) {
     };
   }
   opts.fill = o.fill == "random-blocks" ? SynthFill::RandomBlocks : SynthFill::Normal;
+  opts.routing = o.routing == "shared" ? SynthRouting::Shared : SynthRouting::Random;
   opts.dry_run = o.dry_run;
   if (o.threads > 0) ThreadPool::set_global_threads(o.threads);
   opts.seed = o.seed;
@@ -118,9 +120,10 @@ int run_synth(const SynthCliOptions& o) {
                                 ? fmt::format("experts {}, other matrices {}", ggml_type_name(opts.expert_type),
                                               ggml_type_name(opts.dense_type))
                                 : fmt::format("recipe {}", o.recipe);
-  fmt::print("{} {}: preset {}, {} layers + {} MTP, {}, fill {}, seed {}, {} tensors, {} bytes of tensor data",
+  fmt::print("{} {}: preset {}, {} layers + {} MTP, {}, fill {}, routing {}, seed {}, {} tensors, {} bytes of tensor "
+             "data",
              o.dry_run ? "would write" : "wrote", fmt::join(report->paths, " + "), o.preset, opts.config.n_layers,
-             opts.config.n_mtp, types, o.fill, o.seed, report->n_tensors, report->data_bytes);
+             opts.config.n_mtp, types, o.fill, o.routing, o.seed, report->n_tensors, report->data_bytes);
   if (!o.dry_run)
     fmt::print(" in {:.1f} s ({:.2f} GB/s)", seconds, static_cast<double>(report->data_bytes) / 1e9 / seconds);
   fmt::print("\n");
@@ -151,6 +154,11 @@ void register_synth(CLI::App& app, CommandRunner& run) {
                  "normal: the fixture's distributions, quantised; random-blocks: random valid blocks of the "
                  "same magnitude for the quantised matrices, written at memory speed (benchmarks)")
       ->check(CLI::IsMember({"normal", "random-blocks"}))
+      ->capture_default_str();
+  app.add_option("--routing", o->routing,
+                 "random: each token its own experts (the fixture's draws); shared: every token experts 0..k-1 in "
+                 "every layer (hash rows and router biases made so; for benchmarks of verify steps, issue 15)")
+      ->check(CLI::IsMember({"random", "shared"}))
       ->capture_default_str();
   app.add_flag("--no-mtp", o->no_mtp, "leave out the MTP block: one trunk-only file (what llama.cpp loads alone)");
   app.add_flag("--dry-run", o->dry_run, "print the files and their tensor bytes, write nothing");
