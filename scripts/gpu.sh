@@ -27,7 +27,8 @@
 #              types) into /dev/shm and dsv4 bench on it: decode at 4K/32K/128K, aggregate
 #              decode of 16 and 64 sequences at 4K, prefill of 8K and 32K
 #   spec       dsv4 bench --parts spec on the same file (it has its MTP block): MTP speculation's
-#              verify, draft and rollback costs at batch 1 and 16 (issue 15); the same and
+#              verify, draft and rollback costs at batch 1 and 16 (issue 15; DSV4_GPU_SPEC_SHARED=1
+#              again at batch 1 on the file written with --routing shared); the same and
 #              decode at 1/16/64 sequences with --batch-invariant (its cost); dsv4 run
 #              --spec 3 against --spec 0 (DSV4_GPU_SPEC_MODES: exact fast invariant)
 #   serve      dsv4 serve --backend cuda on the same file, 1/16/64 streaming clients
@@ -565,6 +566,17 @@ PY
       --cli "$bin/dsv4" -m "$flash" --backend cuda --clients 1,16,64 --prompt 512 --tokens 128 \
       --json "$work/serve.json"
     grep -a '^TABLE|' "$work/serve.log" | cut -d'|' -f3-7
+  fi
+  # DSV4_GPU_SPEC_SHARED=1: the spec part at batch 1 again on the same layers written with
+  # `--routing shared` (every token experts 0..k-1, synth.h): a verify step's rows then read
+  # each expert once, the premise of issue 15's goal, where random routing reads ~4x the
+  # experts at k = 3. What is left over a plain step is the kernels' per-row work.
+  if has spec && [ "${DSV4_GPU_SPEC_SHARED:-0}" = 1 ] && [ -f "$flash" ]; then
+    rm -f "$flash"
+    step synth_shared 180 "$bin/dsv4" synth "${flash_flags[@]}" --routing shared --layers "$layers" --force -o "$flash"
+    step dsv4_spec_shared 150 "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers-shared-routing" \
+      --parts spec --batches 1 --batch-depth 4096 --steps 8 --repeats 3 --json "$work/dsv4_spec_shared.json"
+    grep -a '^TABLE|' "$work/dsv4_spec_shared.log" | cut -d'|' -f3-6
   fi
   rm -f "$flash"
 fi
