@@ -450,29 +450,30 @@ if has flash || has serve || has spec; then
       --batch-depth 4096 --steps 16 --repeats 3
     grep -a '^TABLE|' "$work/dsv4_moevariant$variant.log" | cut -d'|' -f3-6
   done
-  # DSV4_GPU_LEGACY_RUNS="bulk f32tiles": decode and aggregate decode at 4K again with each
-  # set of kernels switched back (DSV4_CUDA_LEGACY, matvec.h), beside this build's default run
-  # above: what each change gains, in the same call, without the spec part of LEGACY_AB.
-  # DSV4_GPU_LEGACY_PARTS (default decode,aggregate) picks the parts, e.g. "prefill" for
-  # kernels of prefill chunks (the prefill at DSV4_GPU_FLASH_PREFILL's lengths).
+  # The flash bench again under one environment setting (step name, label suffix, parts, then
+  # the env assignment), beside this build's default run above: what a change gains, in the
+  # same call.
+  flash_again() {
+    local name="$1" suffix="$2" parts="$3" setting="$4"
+    step "$name" 120 env "$setting" "$bin/dsv4" bench -m "$flash" --backend cuda --label "flash$layers-$suffix" \
+      --parts "$parts" --depths 4096 --batches 16,64 --batch-depth 4096 \
+      --prefill "${DSV4_GPU_FLASH_PREFILL:-8192,32768}" --chunk 4096 --prefill-repeats 1 --steps 16 --repeats 3
+    grep -a '^TABLE|' "$work/$name.log" | cut -d'|' -f3-6
+  }
+  # DSV4_GPU_LEGACY_RUNS="bulk f32tiles": each set of kernels switched back (DSV4_CUDA_LEGACY,
+  # matvec.h), without the spec part of LEGACY_AB. DSV4_GPU_LEGACY_PARTS (default
+  # decode,aggregate) picks the parts, e.g. "prefill" for kernels of prefill chunks.
   for legacy in ${DSV4_GPU_LEGACY_RUNS:-}; do
     [ -f "$flash" ] || break
-    step "dsv4_legacy_$legacy" 120 env DSV4_CUDA_LEGACY="$legacy" "$bin/dsv4" bench -m "$flash" --backend cuda \
-      --label "flash$layers-legacy-$legacy" --parts "${DSV4_GPU_LEGACY_PARTS:-decode,aggregate}" --depths 4096 \
-      --batches 16,64 --batch-depth 4096 --prefill "${DSV4_GPU_FLASH_PREFILL:-8192,32768}" --chunk 4096 \
-      --prefill-repeats 1 --steps 16 --repeats 3
-    grep -a '^TABLE|' "$work/dsv4_legacy_$legacy.log" | cut -d'|' -f3-6
+    flash_again "dsv4_legacy_$legacy" "legacy-$legacy" "${DSV4_GPU_LEGACY_PARTS:-decode,aggregate}" \
+      DSV4_CUDA_LEGACY="$legacy"
   done
-  # DSV4_GPU_SPLIT_RUNS="3 6": the same again with the Float32 products of 65+ rows split into
-  # that many BF16 terms (DSV4_CUDA_FLOAT32_SPLIT, matvec.h; off by default until measured),
-  # parts DSV4_GPU_SPLIT_PARTS (default prefill), beside this build's default run above.
+  # DSV4_GPU_SPLIT_RUNS="3 6": the Float32 products of 65+ rows split into that many BF16
+  # terms (DSV4_CUDA_FLOAT32_SPLIT, matvec.h; off by default until measured), parts
+  # DSV4_GPU_SPLIT_PARTS (default prefill).
   for terms in ${DSV4_GPU_SPLIT_RUNS:-}; do
     [ -f "$flash" ] || break
-    step "dsv4_split$terms" 120 env DSV4_CUDA_FLOAT32_SPLIT="$terms" "$bin/dsv4" bench -m "$flash" --backend cuda \
-      --label "flash$layers-split$terms" --parts "${DSV4_GPU_SPLIT_PARTS:-prefill}" --depths 4096 \
-      --batches 16,64 --batch-depth 4096 --prefill "${DSV4_GPU_FLASH_PREFILL:-8192,32768}" --chunk 4096 \
-      --prefill-repeats 1 --steps 16 --repeats 3
-    grep -a '^TABLE|' "$work/dsv4_split$terms.log" | cut -d'|' -f3-6
+    flash_again "dsv4_split$terms" "split$terms" "${DSV4_GPU_SPLIT_PARTS:-prefill}" DSV4_CUDA_FLOAT32_SPLIT="$terms"
   done
   # DSV4_GPU_FLASH_NO_MTP=1: the same decode on the same layers written without the MTP block
   # (does carrying the MTP block change a trunk step?).

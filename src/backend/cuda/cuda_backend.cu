@@ -1300,6 +1300,18 @@ int float32_split_terms(int64_t n, int64_t k) {
   return cuda::bf16_split_terms_valid(terms) && n >= kSplitMinOutputs && k % 8 == 0 ? terms : 0;
 }
 
+// Whether f32_gemm_product takes weights of `type` now: it decodes them exactly (a decoder and
+// its tables), and not inside graph capture (its chunk buffers may have to grow, a
+// synchronisation, which a graph cannot hold).
+Result<bool> f32_gemm_takes(CudaBackend::Impl& m, GgmlType type) {
+  if (type == GgmlType::I32 || !cuda::exact::supported(type) ||
+      !cuda::exact::tables_ready(type, {m.iq2_grid, m.iq2_signs, m.iq_tables}))
+    return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  DSV4_CUDA_TRY(cudaStreamIsCapturing(m.stream, &capture));
+  return capture == cudaStreamCaptureStatusNone;
+}
+
 // x's parts for the split products (in the lane's BF16 activation buffer).
 Result<const __nv_bfloat16*> split_activations(CudaBackend::Impl& m, const Mat<float>& x, int terms) {
   DSV4_ASSIGN_OR_RETURN(void* raw, m.reusable(m.work().bf16_activations,
@@ -1435,13 +1447,9 @@ Status CudaBackend::matmul(const Tensor& w, const Tensor& x, const Tensor& y, Ma
   Impl& m = *impl_;
   const bool quantized = mode == MatmulMode::Quantized && cuda::matvec_supported(w.type) && n_in % 32 == 0 &&
                          w.row_stride() == static_cast<int64_t>(*row_bytes);
-  if (mode == MatmulMode::Float32 && xv.rows >= kFloat32GemmFromRows && w.type != GgmlType::I32 &&
-      cuda::exact::supported(w.type) && cuda::exact::tables_ready(w.type, {m.iq2_grid, m.iq2_signs, m.iq_tables})) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    DSV4_CUDA_TRY(cudaStreamIsCapturing(m.stream, &capture));
-    // The chunk buffer may have to grow (a synchronisation), which a graph cannot hold.
-    if (capture == cudaStreamCaptureStatusNone)
-      return f32_gemm_product(m, wm, xv, yv, float32_split_terms(n_out, n_in));
+  if (mode == MatmulMode::Float32 && xv.rows >= kFloat32GemmFromRows) {
+    DSV4_ASSIGN_OR_RETURN(const bool takes, f32_gemm_takes(m, w.type));
+    if (takes) return f32_gemm_product(m, wm, xv, yv, float32_split_terms(n_out, n_in));
   }
   // Float32 on a few rows of F32, BF16 or Q8_0 weights (decode's mixes, router, compressors):
   // float32_rows.h.
@@ -1480,20 +1488,19 @@ Status CudaBackend::matmul_many(std::span<const Tensor* const> ws, const Tensor&
     bool takes = cuda::bf16_split_terms_valid(terms);
     for (size_t i = 0; takes && i < ws.size(); ++i) {
       const Tensor& w = *ws[i];
-      takes = w.valid() && w.backend == this && w.rank == 2 && w.cols() == xv.cols && w.type != GgmlType::I32 &&
-              cuda::exact::supported(w.type) &&
-              cuda::exact::tables_ready(w.type, {m.iq2_grid, m.iq2_signs, m.iq_tables}) &&
+      takes = w.valid() && w.backend == this && w.rank == 2 && w.cols() == xv.cols &&
               w.row_stride() >= static_cast<int64_t>(ggml_row_bytes(w.type, w.cols()).value_or(INT64_MAX)) &&
               float32_split_terms(w.rows(), w.cols()) == terms;
+      if (takes) {
+        DSV4_ASSIGN_OR_RETURN(takes, f32_gemm_takes(m, w.type));
+      }
       if (!takes) break;
       DSV4_ASSIGN_OR_RETURN(Mat<float> yv, cudaops::f32(*ys[i], this, "matmul_many", "y", xv.rows, w.rows()));
       yv.rows = xv.rows;
       wms.push_back({w.type, static_cast<const uint8_t*>(w.data), w.rows(), w.cols(), w.row_stride()});
       yvs.push_back(yv);
     }
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    DSV4_CUDA_TRY(cudaStreamIsCapturing(m.stream, &capture));
-    if (!takes || capture != cudaStreamCaptureStatusNone) return Backend::matmul_many(ws, x, ys, mode);
+    if (!takes) return Backend::matmul_many(ws, x, ys, mode);
     DSV4_ASSIGN_OR_RETURN(const __nv_bfloat16* x_parts, split_activations(m, xv, terms));
     for (size_t i = 0; i < wms.size(); ++i) DSV4_TRY(f32_gemm_product(m, wms[i], xv, yvs[i], terms, x_parts));
     return Status::ok();
